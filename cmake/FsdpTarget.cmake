@@ -1,0 +1,33 @@
+# Flags shared by every target of ours (never by imported ones).
+function(fsdp_target_defaults target)
+  # Designated initializers leave members at their defaults on purpose.
+  # -fPIC everywhere (not -fPIE for executables) so that one LibTorch precompiled header
+  # serves libraries and executables alike.
+  target_compile_options(${target} PRIVATE -fPIC -Wall -Wextra -Wpedantic -Wno-missing-field-initializers)
+  if(FSDP_WERROR)
+    target_compile_options(${target} PRIVATE -Werror)
+  endif()
+  if(FSDP_SANITIZE)
+    target_compile_options(${target} PRIVATE -fsanitize=address,undefined -fno-omit-frame-pointer
+                                             -fno-sanitize-recover=undefined)
+    target_link_options(${target} PRIVATE -fsanitize=address,undefined)
+  endif()
+endfunction()
+
+# A library of one part: public headers under <part>/include, sources under <part>/src.
+function(fsdp_library target)
+  cmake_parse_arguments(ARG "" "" "SOURCES;PUBLIC_DEPS;PRIVATE_DEPS" ${ARGN})
+  add_library(${target} ${ARG_SOURCES})
+  target_include_directories(${target} PUBLIC
+    $<BUILD_INTERFACE:${CMAKE_CURRENT_SOURCE_DIR}/include>
+    $<INSTALL_INTERFACE:include>)
+  target_link_libraries(${target} PUBLIC ${ARG_PUBLIC_DEPS} PRIVATE ${ARG_PRIVATE_DEPS})
+  fsdp_target_defaults(${target})
+endfunction()
+
+function(fsdp_executable target)
+  cmake_parse_arguments(ARG "" "" "SOURCES;DEPS" ${ARGN})
+  add_executable(${target} ${ARG_SOURCES})
+  target_link_libraries(${target} PRIVATE ${ARG_DEPS})
+  fsdp_target_defaults(${target})
+endfunction()

@@ -1,0 +1,259 @@
+#include "fsdp/common/process.hpp"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+
+#include "fsdp/common/error.hpp"
+
+extern char** environ;
+
+namespace fsdp {
+namespace {
+
+// Closes an fd on scope exit.
+class Fd {
+ public:
+  explicit Fd(int fd = -1) : fd_(fd) {}
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  int get() const { return fd_; }
+  void reset() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_;
+};
+
+std::vector<char*> cStrings(const std::vector<std::string>& strings) {
+  std::vector<char*> out;
+  out.reserve(strings.size() + 1);
+  for (const auto& s : strings) out.push_back(const_cast<char*>(s.c_str()));
+  out.push_back(nullptr);
+  return out;
+}
+
+// Only async-signal-safe calls from here on: the parent may have other threads.
+[[noreturn]] void childAfterFork(const SpawnOptions& options, pid_t parent, const char* program,
+                                 char* const* argv, char* const* envp, int errorPipe) {
+  auto fail = [errorPipe](int err) {
+    [[maybe_unused]] auto n = ::write(errorPipe, &err, sizeof(err));
+    ::_exit(127);
+  };
+  if (options.newProcessGroup && ::setpgid(0, 0) != 0) fail(errno);
+  if (options.deathSignal != 0) {
+    if (::prctl(PR_SET_PDEATHSIG, options.deathSignal) != 0) fail(errno);
+    // The parent may have died before prctl took effect.
+    if (::getppid() != parent) ::_exit(127);
+  }
+  sigset_t all;
+  sigemptyset(&all);
+  ::sigprocmask(SIG_SETMASK, &all, nullptr);
+  for (int sig : {SIGPIPE, SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGCHLD, SIGUSR1, SIGUSR2}) {
+    ::signal(sig, SIG_DFL);
+  }
+  auto redirect = [&](const std::optional<std::string>& path, int target) {
+    if (!path) return;
+    const int fd = ::open(path->c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0 || ::dup2(fd, target) < 0) fail(errno);
+  };
+  redirect(options.stdoutPath, STDOUT_FILENO);
+  redirect(options.stderrPath, STDERR_FILENO);
+  ::execve(program, argv, envp);
+  fail(errno);
+  ::_exit(127);
+}
+
+}  // namespace
+
+ChildProcess ChildProcess::spawn(const SpawnOptions& options) {
+  if (options.argv.empty()) throw ConfigError("spawn: empty command line");
+  std::string why;
+  const auto program = findExecutable(options.argv[0], &why);
+  if (!program) throw ConfigError("cannot run '" + options.argv[0] + "': " + why);
+  auto argv = cStrings(options.argv);
+  auto envp = cStrings(options.env);
+
+  std::array<int, 2> pipeFds{};
+  if (::pipe2(pipeFds.data(), O_CLOEXEC) != 0) throwErrno("spawn: pipe2", errno);
+  Fd readEnd(pipeFds[0]);
+  Fd writeEnd(pipeFds[1]);
+
+  const pid_t parent = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid < 0) throwErrno("spawn " + options.argv[0] + ": fork", errno);
+  if (pid == 0) {
+    childAfterFork(options, parent, program->c_str(), argv.data(), envp.data(), writeEnd.get());
+  }
+  ChildProcess child(pid, options.newProcessGroup);
+  // Also from the parent, so that signal() works even before the child ran setpgid.
+  if (options.newProcessGroup) ::setpgid(pid, pid);
+  writeEnd.reset();
+  int childErrno = 0;
+  ssize_t n;
+  do {
+    n = ::read(readEnd.get(), &childErrno, sizeof(childErrno));
+  } while (n < 0 && errno == EINTR);
+  if (n == sizeof(childErrno)) {
+    child.waitFor(std::chrono::seconds(5));
+    const std::string what = errnoMessage("cannot execute '" + *program + "'", childErrno);
+    // The program itself is unusable (a usage problem), as opposed to a system failure.
+    if (childErrno == ENOEXEC || childErrno == EACCES || childErrno == ENOENT) throw ConfigError(what);
+    throw Error(what);
+  }
+  return child;
+}
+
+ChildProcess::ChildProcess(ChildProcess&& other) noexcept
+    : pid_(other.pid_), ownGroup_(other.ownGroup_), status_(other.status_) {
+  other.pid_ = -1;
+}
+
+ChildProcess& ChildProcess::operator=(ChildProcess&& other) noexcept {
+  if (this != &other) {
+    release();
+    pid_ = other.pid_;
+    ownGroup_ = other.ownGroup_;
+    status_ = other.status_;
+    other.pid_ = -1;
+  }
+  return *this;
+}
+
+ChildProcess::~ChildProcess() { release(); }
+
+void ChildProcess::release() noexcept {
+  if (pid_ <= 0 || status_) return;
+  signal(SIGKILL);
+  int status = 0;
+  while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
+  }
+  pid_ = -1;
+}
+
+std::optional<int> ChildProcess::tryWait() {
+  if (status_ || pid_ <= 0) return status_;
+  int status = 0;
+  pid_t r;
+  do {
+    r = ::waitpid(pid_, &status, WNOHANG);
+  } while (r < 0 && errno == EINTR);
+  if (r == pid_) status_ = status;
+  return status_;
+}
+
+std::optional<int> ChildProcess::waitFor(std::chrono::milliseconds timeout) {
+  if (tryWait()) return status_;
+  Fd pidfd(static_cast<int>(::syscall(SYS_pidfd_open, pid_, 0)));
+  if (pidfd.get() < 0) throwErrno("pidfd_open " + std::to_string(pid_), errno);
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    if (tryWait()) return status_;
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) return std::nullopt;
+    pollfd pfd{pidfd.get(), POLLIN, 0};
+    const int r = ::poll(&pfd, 1, static_cast<int>(left.count()));
+    if (r < 0 && errno != EINTR) throwErrno("poll pidfd", errno);
+  }
+}
+
+void ChildProcess::signal(int sig) {
+  if (pid_ <= 0 || status_) return;
+  if (ownGroup_ && ::kill(-pid_, sig) == 0) return;
+  ::kill(pid_, sig);
+}
+
+std::string signalName(int sig) {
+  const char* abbrev = ::sigabbrev_np(sig);
+  if (abbrev == nullptr) return "signal " + std::to_string(sig);
+  return std::string("SIG") + abbrev;
+}
+
+std::optional<int> parseSignal(const std::string& text) {
+  if (text.empty()) return std::nullopt;
+  if (std::isdigit(static_cast<unsigned char>(text[0]))) {
+    const int sig = std::atoi(text.c_str());
+    if (sig > 0 && sig < NSIG && std::to_string(sig) == text) return sig;
+    return std::nullopt;
+  }
+  const std::string name = text.rfind("SIG", 0) == 0 ? text.substr(3) : text;
+  for (int sig = 1; sig < NSIG; ++sig) {
+    const char* abbrev = ::sigabbrev_np(sig);
+    if (abbrev != nullptr && name == abbrev) return sig;
+  }
+  return std::nullopt;
+}
+
+std::string describeWaitStatus(int status) {
+  if (WIFEXITED(status)) return "exit code " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) {
+    const int sig = WTERMSIG(status);
+    return "signal " + signalName(sig) + " (" + std::to_string(sig) + ")";
+  }
+  return "wait status " + std::to_string(status);
+}
+
+std::vector<std::string> currentEnvironment() {
+  std::vector<std::string> out;
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) out.emplace_back(*e);
+  return out;
+}
+
+std::optional<std::string> findExecutable(const std::string& program, std::string* why) {
+  auto check = [why](const std::string& path) -> bool {
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0) {
+      if (why) *why = std::strerror(errno);
+      return false;
+    }
+    if (!S_ISREG(st.st_mode)) {
+      if (why) *why = "not a regular file";
+      return false;
+    }
+    if (::access(path.c_str(), X_OK) != 0) {
+      if (why) *why = "not executable (" + std::string(std::strerror(errno)) + ")";
+      return false;
+    }
+    return true;
+  };
+  if (program.empty()) {
+    if (why) *why = "empty program name";
+    return std::nullopt;
+  }
+  if (program.find('/') != std::string::npos) {
+    if (check(program)) return program;
+    return std::nullopt;
+  }
+  const char* path = std::getenv("PATH");
+  std::string dirs = path != nullptr ? path : "/usr/local/bin:/usr/bin:/bin";
+  std::size_t start = 0;
+  while (start <= dirs.size()) {
+    const auto end = std::min(dirs.find(':', start), dirs.size());
+    std::string dir = dirs.substr(start, end - start);
+    if (dir.empty()) dir = ".";
+    const std::string candidate = dir + "/" + program;
+    std::string ignored;
+    if (check(candidate)) return candidate;
+    start = end + 1;
+  }
+  if (why) *why = "not found in PATH";
+  return std::nullopt;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,86 @@
+#pragma once
+// fsdprun's own store protocol: length-prefixed binary frames. Pure encode/decode functions,
+// no I/O, so that every bound is unit-tested and fuzzable.
+//
+// Frame = header (12 bytes, little endian) + body:
+//   u32 magic 0x50445346 ("FSDP") | u8 version | u8 op | u16 reserved (0) | u32 body length
+// Request body (same layout for every op):
+//   u32 nkeys, nkeys × (u32 len, bytes) | u32 len, value | u32 len, value2 | i64 number |
+//   u32 timeout_ms
+// Response body: u8 status | i64 number | u32 len, value (the error text when status = error)
+// The first byte 'F' (0x46) tells this protocol apart from PyTorch's TCPStore dialects,
+// whose connections start with a small opcode.
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace fsdp::rendezvous {
+
+inline constexpr std::uint32_t kMagic = 0x50445346;
+inline constexpr std::uint8_t kVersion = 1;
+inline constexpr std::size_t kHeaderSize = 12;
+
+enum class Op : std::uint8_t {
+  kPing = 0,
+  kSet = 1,
+  kGet = 2,         // waits (server side) until the key exists or timeout_ms passes
+  kAdd = 3,
+  kCheck = 4,
+  kWait = 5,        // waits until every key exists or timeout_ms passes
+  kDelete = 6,
+  kNumKeys = 7,
+  kCompareSet = 8,
+  kAppend = 9,
+  kMultiGet = 10,   // non-waiting; missing keys are an error
+  kMultiSet = 11,
+};
+inline constexpr std::uint8_t kMaxOp = 11;
+
+std::string opName(Op op);
+
+enum class Status : std::uint8_t { kOk = 0, kTimeout = 1, kError = 2 };
+
+// Bounds on everything read off the wire. A frame that exceeds one is a ProtocolError, which
+// closes that connection only.
+struct Limits {
+  std::uint32_t maxBodyBytes = 64u << 20;
+  std::uint32_t maxKeyBytes = 4096;
+  std::uint32_t maxValueBytes = 32u << 20;
+  std::uint32_t maxKeysPerRequest = 65536;
+};
+
+struct Header {
+  Op op = Op::kPing;
+  std::uint32_t bodyLength = 0;
+};
+
+struct Request {
+  Op op = Op::kPing;
+  std::vector<std::string> keys;
+  std::string value;    // SET, APPEND, COMPARE_SET (expected); MULTI_SET: unused
+  std::string value2;   // COMPARE_SET (desired)
+  std::vector<std::string> values;  // MULTI_SET values, one per key (sent in `value` frames)
+  std::int64_t number = 0;          // ADD delta
+  std::uint32_t timeoutMs = 0;      // GET, WAIT
+};
+
+struct Response {
+  Status status = Status::kOk;
+  std::int64_t number = 0;
+  std::string value;                // value, or error text
+  std::vector<std::string> values;  // MULTI_GET
+};
+
+// Throws ProtocolError on a bad magic, version or op, or a length over limits.
+Header decodeHeader(std::span<const std::uint8_t> bytes, const Limits& limits);
+
+std::vector<std::uint8_t> encodeRequest(const Request& request);
+// Throws ProtocolError on truncation, trailing bytes, or a size over limits.
+Request decodeRequest(Op op, std::span<const std::uint8_t> body, const Limits& limits);
+
+std::vector<std::uint8_t> encodeResponse(Op op, const Response& response);
+Response decodeResponse(std::span<const std::uint8_t> body, const Limits& limits);
+
+}  // namespace fsdp::rendezvous

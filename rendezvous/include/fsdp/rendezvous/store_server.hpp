@@ -1,0 +1,56 @@
+#pragma once
+// The store server: serves fsdprun's framed protocol on one TCP port from one event-loop
+// thread it owns. Waiting requests (GET of a missing key, WAIT) are parked server side and
+// woken when the key is written; clients never poll.
+//
+// Thread-safety: construct, port() and stop() from one thread. The destructor stops the
+// server and joins its thread.
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "fsdp/rendezvous/protocol.hpp"
+
+namespace fsdp::rendezvous {
+
+struct ServerOptions {
+  std::string host = "127.0.0.1";  // bind address; "0.0.0.0" or "::" for every interface
+  std::uint16_t port = 0;          // 0 = a free port chosen by the kernel
+  Limits limits;
+  // Once the first byte of a frame has arrived, the rest must arrive within this time. An
+  // idle connection between frames is normal (a worker trains for hours between requests);
+  // a closed one is noticed at once.
+  std::chrono::milliseconds frameTimeout{30000};
+};
+
+struct ServerStats {
+  std::uint64_t connectionsAccepted = 0;
+  std::uint64_t connectionsOpen = 0;
+  std::uint64_t requestsServed = 0;
+  std::uint64_t protocolErrors = 0;
+};
+
+class StoreServer {
+ public:
+  // Binds and starts serving. Throws NetworkError naming the address when bind fails.
+  explicit StoreServer(ServerOptions options);
+  ~StoreServer();
+  StoreServer(const StoreServer&) = delete;
+  StoreServer& operator=(const StoreServer&) = delete;
+
+  // The bound port (the kernel's choice when options.port was 0).
+  std::uint16_t port() const;
+  const std::string& host() const;
+  // Stops accepting, closes every connection, joins the thread. Idempotent.
+  void stop();
+  // A snapshot, taken on the server thread.
+  ServerStats stats() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace fsdp::rendezvous

@@ -1,0 +1,146 @@
+#include "fsdp/rendezvous/kv_store.hpp"
+
+#include <algorithm>
+
+#include "fsdp/common/env.hpp"
+#include "fsdp/common/error.hpp"
+
+namespace fsdp::rendezvous {
+
+void KvStore::set(const std::string& key, std::string value) {
+  auto [it, inserted] = data_.try_emplace(key);
+  if (inserted) {
+    bytes_ += key.size();
+  } else {
+    bytes_ -= it->second.size();
+  }
+  bytes_ += value.size();
+  it->second = std::move(value);
+  notify(key);
+}
+
+std::optional<std::string> KvStore::get(const std::string& key) const {
+  const auto it = data_.find(key);
+  if (it == data_.end()) return std::nullopt;
+  return it->second;
+}
+
+std::int64_t KvStore::add(const std::string& key, std::int64_t delta) {
+  std::int64_t current = 0;
+  if (const auto it = data_.find(key); it != data_.end()) {
+    const auto parsed = parseInt(it->second);
+    if (!parsed) throw ProtocolError("ADD on key '" + key + "' whose value is not an integer");
+    current = *parsed;
+  }
+  const std::int64_t next = current + delta;
+  set(key, std::to_string(next));
+  return next;
+}
+
+std::string KvStore::compareSet(const std::string& key, const std::string& expected,
+                                std::string desired) {
+  const auto it = data_.find(key);
+  if (it == data_.end()) {
+    if (!expected.empty()) return expected;
+    set(key, desired);
+    return desired;
+  }
+  if (it->second == expected) {
+    set(key, desired);
+    return desired;
+  }
+  return it->second;
+}
+
+std::int64_t KvStore::append(const std::string& key, const std::string& suffix) {
+  std::string value = get(key).value_or("");
+  value += suffix;
+  const auto size = static_cast<std::int64_t>(value.size());
+  set(key, std::move(value));
+  return size;
+}
+
+bool KvStore::containsAll(const std::vector<std::string>& keys) const {
+  return std::all_of(keys.begin(), keys.end(), [this](const auto& k) { return data_.contains(k); });
+}
+
+bool KvStore::remove(const std::string& key) {
+  const auto it = data_.find(key);
+  if (it == data_.end()) return false;
+  bytes_ -= key.size() + it->second.size();
+  data_.erase(it);
+  return true;
+}
+
+KvStore::WatchId KvStore::watch(const std::vector<std::string>& keys, std::function<void()> fire) {
+  const WatchId id = nextId_++;
+  for (const auto& key : keys) byKey_[key].push_back(id);
+  watches_.emplace(id, Watch{keys, std::move(fire)});
+  return id;
+}
+
+void KvStore::unwatch(WatchId id) {
+  const auto it = watches_.find(id);
+  if (it == watches_.end()) return;
+  for (const auto& key : it->second.keys) {
+    const auto list = byKey_.find(key);
+    if (list == byKey_.end()) continue;
+    std::erase(list->second, id);
+    if (list->second.empty()) byKey_.erase(list);
+  }
+  watches_.erase(it);
+}
+
+void KvStore::notify(const std::string& key) {
+  const auto list = byKey_.find(key);
+  if (list == byKey_.end()) return;
+  const std::vector<WatchId> ids = list->second;
+  for (const WatchId id : ids) {
+    const auto it = watches_.find(id);
+    if (it == watches_.end()) continue;
+    auto fire = std::move(it->second.fire);
+    unwatch(id);
+    fire();
+  }
+}
+
+std::optional<Response> StoreService::tryHandle(const Request& req) {
+  Response resp;
+  switch (req.op) {
+    case Op::kPing: break;
+    case Op::kSet: store_.set(req.keys[0], req.value); break;
+    case Op::kGet: {
+      auto value = store_.get(req.keys[0]);
+      if (!value) return std::nullopt;
+      resp.value = std::move(*value);
+      break;
+    }
+    case Op::kAdd: resp.number = store_.add(req.keys[0], req.number); break;
+    case Op::kCheck: resp.number = store_.containsAll(req.keys) ? 1 : 0; break;
+    case Op::kWait:
+      if (!store_.containsAll(req.keys)) return std::nullopt;
+      break;
+    case Op::kDelete: resp.number = store_.remove(req.keys[0]) ? 1 : 0; break;
+    case Op::kNumKeys: resp.number = static_cast<std::int64_t>(store_.size()); break;
+    case Op::kCompareSet: resp.value = store_.compareSet(req.keys[0], req.value, req.value2); break;
+    case Op::kAppend: resp.number = store_.append(req.keys[0], req.value); break;
+    case Op::kMultiGet:
+      for (const auto& key : req.keys) {
+        auto value = store_.get(key);
+        if (!value) {
+          resp.status = Status::kError;
+          resp.value = "MULTI_GET: key '" + key + "' does not exist";
+          resp.values.clear();
+          return resp;
+        }
+        resp.values.push_back(std::move(*value));
+      }
+      break;
+    case Op::kMultiSet:
+      for (std::size_t i = 0; i < req.keys.size(); ++i) store_.set(req.keys[i], req.values[i]);
+      break;
+  }
+  return resp;
+}
+
+}  // namespace fsdp::rendezvous

@@ -1,0 +1,64 @@
+#include "run_command.hpp"
+
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "fsdp/common/error.hpp"
+#include "fsdp/common/process.hpp"
+
+namespace fsdp::testing {
+
+TempDir::TempDir() {
+  std::string pattern = (std::filesystem::temp_directory_path() / "fsdp-test-XXXXXX").string();
+  if (::mkdtemp(pattern.data()) == nullptr) throwErrno("mkdtemp", errno);
+  path_ = pattern;
+}
+
+TempDir::~TempDir() {
+  std::error_code ec;
+  std::filesystem::remove_all(path_, ec);
+}
+
+std::string readFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+int countOccurrences(const std::string& text, const std::string& needle) {
+  int count = 0;
+  for (auto pos = text.find(needle); pos != std::string::npos; pos = text.find(needle, pos + needle.size())) {
+    ++count;
+  }
+  return count;
+}
+
+RunResult runCommand(const std::vector<std::string>& argv, std::chrono::milliseconds timeout,
+                     const std::vector<std::string>& extraEnv) {
+  TempDir dir;
+  SpawnOptions options{.argv = argv, .env = currentEnvironment()};
+  options.env.insert(options.env.end(), extraEnv.begin(), extraEnv.end());
+  options.stdoutPath = dir.path() + "/stdout";
+  options.stderrPath = dir.path() + "/stderr";
+  auto child = ChildProcess::spawn(options);
+  RunResult result;
+  result.pid = child.pid();
+  auto status = child.waitFor(timeout);
+  if (!status) {
+    result.timedOut = true;
+    child.signal(SIGKILL);
+    status = child.waitFor(std::chrono::seconds(10));
+  }
+  if (status && WIFEXITED(*status)) result.exitCode = WEXITSTATUS(*status);
+  if (status && WIFSIGNALED(*status)) result.signal = WTERMSIG(*status);
+  result.out = readFile(*options.stdoutPath);
+  result.err = readFile(*options.stderrPath);
+  return result;
+}
+
+}  // namespace fsdp::testing

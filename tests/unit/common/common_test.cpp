@@ -1,0 +1,107 @@
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <string>
+
+#include "fsdp/common/env.hpp"
+#include "fsdp/common/error.hpp"
+#include "fsdp/common/process.hpp"
+#include "fsdp/common/sha256.hpp"
+
+namespace fsdp {
+namespace {
+
+std::string sha(const std::string& text) {
+  Sha256 h;
+  h.update(text);
+  return h.hexDigest();
+}
+
+TEST(Sha256, MatchesTheFipsTestVectors) {
+  EXPECT_EQ(sha(""), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  EXPECT_EQ(sha("abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  EXPECT_EQ(sha("abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq"),
+            "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
+  EXPECT_EQ(sha(std::string(1000000, 'a')),
+            "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
+}
+
+TEST(Sha256, PiecewiseUpdatesEqualOneUpdate) {
+  const std::string text(1000, 'x');
+  Sha256 pieces;
+  for (std::size_t i = 0; i < text.size(); i += 7) pieces.update(std::string_view(text).substr(i, 7));
+  EXPECT_EQ(pieces.hexDigest(), sha(text));
+}
+
+TEST(ParseInt, AcceptsWholeIntegersOnly) {
+  EXPECT_EQ(parseInt("42"), 42);
+  EXPECT_EQ(parseInt("-3"), -3);
+  EXPECT_FALSE(parseInt(""));
+  EXPECT_FALSE(parseInt("4x"));
+  EXPECT_FALSE(parseInt(" 4"));
+  EXPECT_FALSE(parseInt("99999999999999999999999"));
+  EXPECT_EQ(parseDouble("0.5"), 0.5);
+  EXPECT_FALSE(parseDouble("nan"));
+}
+
+TEST(EnvInt, NamesTheVariableWhenMalformedOrMissing) {
+  const auto env = mapEnv({{"RANK", "x"}});
+  try {
+    envInt(env, "RANK", 0);
+    FAIL();
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("RANK='x'"), std::string::npos);
+  }
+  EXPECT_EQ(envInt(env, "OTHER", 5), 5);
+  EXPECT_THROW(requireEnvInt(env, "WORLD_SIZE"), ConfigError);
+}
+
+TEST(Signals, NamesAndParses) {
+  EXPECT_EQ(signalName(SIGTERM), "SIGTERM");
+  EXPECT_EQ(parseSignal("SIGUSR1"), SIGUSR1);
+  EXPECT_EQ(parseSignal("USR1"), SIGUSR1);
+  EXPECT_EQ(parseSignal("15"), SIGTERM);
+  EXPECT_FALSE(parseSignal("SIGNOPE"));
+  EXPECT_FALSE(parseSignal("0"));
+}
+
+TEST(ChildProcess, ReportsExitCodeAndSignal) {
+  auto exit3 = ChildProcess::spawn({.argv = {"/bin/sh", "-c", "exit 3"}, .env = currentEnvironment()});
+  const auto status = exit3.waitFor(std::chrono::seconds(10));
+  ASSERT_TRUE(status);
+  EXPECT_EQ(describeWaitStatus(*status), "exit code 3");
+
+  auto sleeper = ChildProcess::spawn({.argv = {"sleep", "30"}, .env = currentEnvironment()});
+  sleeper.signal(SIGKILL);
+  const auto killed = sleeper.waitFor(std::chrono::seconds(10));
+  ASSERT_TRUE(killed);
+  EXPECT_EQ(describeWaitStatus(*killed), "signal SIGKILL (9)");
+}
+
+TEST(ChildProcess, MissingProgramIsAConfigErrorNamingIt) {
+  try {
+    ChildProcess::spawn({.argv = {"/no/such/program"}, .env = {}});
+    FAIL();
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("/no/such/program"), std::string::npos);
+  }
+}
+
+TEST(ChildProcess, DestructorKillsAndReapsARunningChild) {
+  pid_t pid = 0;
+  {
+    auto child = ChildProcess::spawn({.argv = {"sleep", "30"}, .env = currentEnvironment()});
+    pid = child.pid();
+  }
+  // Reaped: the pid is no longer our child.
+  EXPECT_EQ(::waitpid(pid, nullptr, WNOHANG), -1);
+}
+
+TEST(ChildProcess, WaitForTimesOutOnARunningChild) {
+  auto child = ChildProcess::spawn({.argv = {"sleep", "30"}, .env = currentEnvironment()});
+  EXPECT_FALSE(child.waitFor(std::chrono::milliseconds(50)));
+}
+
+}  // namespace
+}  // namespace fsdp

@@ -1,0 +1,159 @@
+// The store server and client over real loopback sockets, port 0 read back.
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <future>
+#include <thread>
+
+#include "fsdp/common/error.hpp"
+#include "fsdp/rendezvous/store_client.hpp"
+#include "fsdp/rendezvous/store_server.hpp"
+
+namespace fsdp::rendezvous {
+namespace {
+
+using namespace std::chrono_literals;
+
+class StoreServerTest : public ::testing::Test {
+ protected:
+  std::unique_ptr<StoreClient> client() {
+    return StoreClient::connect("127.0.0.1", server_.port(), {.connectTimeout = 5s, .timeout = 5s});
+  }
+  // A raw TCP connection for sending malformed bytes.
+  int rawSocket() {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(server_.port());
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    return fd;
+  }
+  StoreServer server_{ServerOptions{.frameTimeout = 500ms}};
+};
+
+TEST_F(StoreServerTest, C10dOperations) {
+  auto c = client();
+  c->set("a", "1");
+  EXPECT_EQ(c->get("a"), "1");
+  EXPECT_EQ(c->add("n", 5), 5);
+  EXPECT_EQ(c->add("n", -2), 3);
+  EXPECT_TRUE(c->check({"a", "n"}));
+  EXPECT_FALSE(c->check({"a", "missing"}));
+  EXPECT_EQ(c->compareSet("a", "1", "2"), "2");
+  EXPECT_EQ(c->numKeys(), 2);
+  EXPECT_TRUE(c->remove("a"));
+  EXPECT_FALSE(c->remove("a"));
+  EXPECT_EQ(c->append("log", "x"), 1);
+  c->multiSet({"m1", "m2"}, {"v1", "v2"});
+  EXPECT_EQ(c->multiGet({"m1", "m2"}), std::vector<std::string>({"v1", "v2"}));
+  EXPECT_THROW(c->multiGet({"m1", "nope"}), Error);
+  c->ping();
+}
+
+TEST_F(StoreServerTest, GetWaitsServerSideUntilAnotherClientSetsTheKey) {
+  auto waiter = client();
+  auto setter = client();
+  auto result = std::async(std::launch::async, [&] { return waiter->get("late", 5000ms); });
+  EXPECT_EQ(result.wait_for(100ms), std::future_status::timeout);
+  setter->set("late", "here");
+  EXPECT_EQ(result.get(), "here");
+}
+
+TEST_F(StoreServerTest, WaitTimeoutNamesTheMissingKeys) {
+  auto c = client();
+  c->set("present", "1");
+  try {
+    c->wait({"present", "absent1", "absent2"}, 100ms);
+    FAIL();
+  } catch (const TimeoutError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("absent1, absent2"), std::string::npos) << what;
+    EXPECT_EQ(what.find("present,"), std::string::npos) << what;
+    EXPECT_NE(what.find("100 ms"), std::string::npos) << what;
+  }
+  EXPECT_THROW(c->get("absent1", 50ms), TimeoutError);
+  c->ping();  // the connection is still good after timeouts
+}
+
+TEST_F(StoreServerTest, MalformedFramesCloseOnlyThatConnection) {
+  auto good = client();
+  good->set("k", "v");
+  const std::vector<std::vector<std::uint8_t>> attacks = {
+      {0xde, 0xad, 0xbe, 0xef, 1, 1, 0, 0, 0, 0, 0, 0},           // bad magic
+      {0x46, 0x53, 0x44, 0x50, 1, 1, 0, 0, 0xff, 0xff, 0xff, 0x7f},  // 2 GiB body
+      {0x46, 0x53, 0x44, 0x50, 1, 1, 0, 0, 8, 0, 0, 0, 0xff, 0xff, 0xff, 0xff, 0, 0, 0, 0},
+  };
+  for (const auto& bytes : attacks) {
+    const int fd = rawSocket();
+    ASSERT_EQ(::write(fd, bytes.data(), bytes.size()), static_cast<ssize_t>(bytes.size()));
+    char buf[16];
+    timeval tv{5, 0};
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    EXPECT_EQ(::read(fd, buf, sizeof(buf)), 0) << "server must close the bad connection";
+    ::close(fd);
+    EXPECT_EQ(good->get("k"), "v");
+  }
+  EXPECT_GE(server_.stats().protocolErrors, 3u);
+}
+
+TEST_F(StoreServerTest, AStalledFrameIsDroppedAfterTheFrameTimeout) {
+  auto good = client();
+  const int fd = rawSocket();
+  const std::uint8_t partial[] = {0x46, 0x53};  // two bytes of a header, then silence
+  ASSERT_EQ(::write(fd, partial, sizeof(partial)), 2);
+  char buf[4];
+  timeval tv{5, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(::read(fd, buf, sizeof(buf)), 0);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 3s);
+  ::close(fd);
+  good->ping();
+}
+
+TEST_F(StoreServerTest, ManyConcurrentClientsCountExactly) {
+  constexpr int kClients = 32;
+  constexpr int kAdds = 50;
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kClients; ++i) {
+    threads.emplace_back([this] {
+      auto c = client();
+      for (int j = 0; j < kAdds; ++j) c->add("counter", 1);
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(client()->add("counter", 0), kClients * kAdds);
+}
+
+TEST(StoreClientConnect, GivesUpAfterItsTimeoutNamingTheEndpoint) {
+  // A port that was free a moment ago: nothing listens there.
+  std::uint16_t port = 0;
+  {
+    StoreServer probe(ServerOptions{});
+    port = probe.port();
+  }
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    StoreClient::connect("127.0.0.1", port, {.connectTimeout = 300ms});
+    FAIL();
+  } catch (const TimeoutError& e) {
+    EXPECT_NE(std::string(e.what()).find("127.0.0.1:" + std::to_string(port)), std::string::npos);
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 3s);
+}
+
+TEST(StoreServerBind, ABusyPortIsANetworkErrorNamingIt) {
+  StoreServer first(ServerOptions{});
+  try {
+    StoreServer second(ServerOptions{.port = first.port()});
+    FAIL();
+  } catch (const NetworkError& e) {
+    EXPECT_NE(std::string(e.what()).find(std::to_string(first.port())), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace fsdp::rendezvous

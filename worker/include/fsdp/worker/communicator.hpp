@@ -1,0 +1,59 @@
+#pragma once
+// Collective communication over the ranks of one job. One small interface, two backends:
+// Gloo (CPU tensors) and, in its own issue, NCCL (CUDA tensors).
+//
+// Every operation is asynchronous: it is queued in call order and returns a Work whose
+// wait() blocks until it is done and rethrows its error. Tensors must stay alive and
+// unchanged until then. Every rank must issue the same operations in the same order.
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <future>
+#include <memory>
+#include <vector>
+
+namespace fsdp::worker {
+
+enum class ReduceOp { kSum, kAverage, kMin, kMax };
+
+// The handle of one queued operation.
+class Work {
+ public:
+  explicit Work(std::shared_future<void> done) : done_(std::move(done)) {}
+  // Blocks until the operation finished; rethrows its error (fsdp::Error).
+  void wait() const { done_.get(); }
+  bool ready() const {
+    return done_.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+  }
+
+ private:
+  std::shared_future<void> done_;
+};
+
+// How `total` elements are split over `worldSize` ranks by allGather/reduceScatter: the
+// first total % worldSize ranks get one element more. Returns the element count per rank.
+std::vector<std::int64_t> chunkSizes(std::int64_t total, int worldSize);
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  // In place on `tensor` (contiguous).
+  virtual Work allReduce(at::Tensor tensor, ReduceOp op = ReduceOp::kSum) = 0;
+  // Gathers every rank's `input` into `output` (1-D view, rank order). output.numel() is the
+  // sum over ranks; input.numel() must be this rank's chunkSizes(output.numel())[rank].
+  virtual Work allGather(at::Tensor input, at::Tensor output) = 0;
+  // Reduces `input` (same numel on every rank) element-wise over ranks and leaves this rank's
+  // chunk (chunkSizes(input.numel())[rank] elements, in rank order) in `output`. `input`
+  // is not modified.
+  virtual Work reduceScatter(at::Tensor input, at::Tensor output,
+                             ReduceOp op = ReduceOp::kSum) = 0;
+  // Copies root's `tensor` into every rank's `tensor`.
+  virtual Work broadcast(at::Tensor tensor, int root = 0) = 0;
+  virtual Work barrier() = 0;
+};
+
+}  // namespace fsdp::worker

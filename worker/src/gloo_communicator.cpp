@@ -1,0 +1,353 @@
+#include "fsdp/worker/gloo_communicator.hpp"
+
+#include <ATen/Functions.h>
+#include <gloo/allgather.h>
+#include <gloo/allgatherv.h>
+#include <gloo/allreduce.h>
+#include <gloo/barrier.h>
+#include <gloo/broadcast.h>
+#include <gloo/common/error.h>
+#include <gloo/math.h>
+#include <gloo/reduce_scatter.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/store.h>
+#include <gloo/transport/tcp/device.h>
+
+#include <condition_variable>
+#include <deque>
+#include <limits>
+#include <mutex>
+#include <numeric>
+#include <thread>
+
+#include "fsdp/common/error.hpp"
+
+namespace fsdp::worker {
+namespace {
+
+// Gloo's rendezvous store interface over our store client, under a key prefix.
+class GlooStore : public gloo::rendezvous::Store {
+ public:
+  GlooStore(rendezvous::StoreClient& client, std::string prefix, std::chrono::milliseconds timeout)
+      : client_(client), prefix_(std::move(prefix)), timeout_(timeout) {}
+
+  void set(const std::string& key, const std::vector<char>& data) override {
+    client_.set(prefix_ + key, std::string(data.begin(), data.end()));
+  }
+  std::vector<char> get(const std::string& key) override {
+    const std::string value = client_.get(prefix_ + key, timeout_);
+    return {value.begin(), value.end()};
+  }
+  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+    std::vector<std::string> prefixed;
+    prefixed.reserve(keys.size());
+    for (const auto& key : keys) prefixed.push_back(prefix_ + key);
+    client_.wait(prefixed, timeout);
+  }
+
+ private:
+  rendezvous::StoreClient& client_;
+  std::string prefix_;
+  std::chrono::milliseconds timeout_;
+};
+
+// Runs queued operations one at a time, in order, on one thread it owns.
+class TaskQueue {
+ public:
+  TaskQueue() : thread_([this] { run(); }) {}
+  ~TaskQueue() {
+    {
+      std::scoped_lock lock(mutex_);
+      stopping_ = true;
+    }
+    ready_.notify_one();
+    thread_.join();
+  }
+  TaskQueue(const TaskQueue&) = delete;
+  TaskQueue& operator=(const TaskQueue&) = delete;
+
+  Work push(std::function<void()> fn) {
+    std::packaged_task<void()> task(std::move(fn));
+    Work work(task.get_future().share());
+    {
+      std::scoped_lock lock(mutex_);
+      tasks_.push_back(std::move(task));
+    }
+    ready_.notify_one();
+    return work;
+  }
+
+ private:
+  void run() {
+    for (;;) {
+      std::packaged_task<void()> task;
+      {
+        std::unique_lock lock(mutex_);
+        ready_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
+        // Pending operations are abandoned on shutdown: their Work reports broken_promise.
+        if (stopping_) return;
+        task = std::move(tasks_.front());
+        tasks_.pop_front();
+      }
+      task();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable ready_;
+  std::deque<std::packaged_task<void()>> tasks_;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+// Calls fn(T{}) with the C++ element type Gloo uses for `type`.
+template <typename Fn>
+void dispatchType(at::ScalarType type, Fn&& fn) {
+  switch (type) {
+    case at::kFloat: return fn(float{});
+    case at::kDouble: return fn(double{});
+    case at::kHalf: return fn(gloo::float16{});
+    case at::kInt: return fn(std::int32_t{});
+    case at::kLong: return fn(std::int64_t{});
+    case at::kByte: return fn(std::uint8_t{});
+    case at::kChar: return fn(std::int8_t{});
+    default:
+      throw Error(std::string("Gloo communicator: dtype ") + c10::toString(type) +
+                  " is not supported (float32, float64, float16, int8/32/64, uint8 are)");
+  }
+}
+
+template <typename T>
+gloo::AllreduceOptions::Func reduceFunc(ReduceOp op) {
+  using Fn = void (*)(void*, const void*, const void*, size_t);
+  switch (op) {
+    case ReduceOp::kMin: return static_cast<Fn>(&gloo::min<T>);
+    case ReduceOp::kMax: return static_cast<Fn>(&gloo::max<T>);
+    case ReduceOp::kSum:
+    case ReduceOp::kAverage: break;
+  }
+  return static_cast<Fn>(&gloo::sum<T>);
+}
+
+template <typename T>
+const gloo::ReductionFunction<T>* reductionFunction(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kMin: return gloo::ReductionFunction<T>::min;
+    case ReduceOp::kMax: return gloo::ReductionFunction<T>::max;
+    case ReduceOp::kSum:
+    case ReduceOp::kAverage: break;
+  }
+  return gloo::ReductionFunction<T>::sum;
+}
+
+class GlooCommunicator final : public Communicator {
+ public:
+  GlooCommunicator(std::shared_ptr<gloo::rendezvous::Context> context, GlooOptions options)
+      : context_(std::move(context)), options_(std::move(options)) {}
+
+  int rank() const override { return options_.rank; }
+  int size() const override { return options_.size; }
+
+  Work allReduce(at::Tensor tensor, ReduceOp op) override {
+    check(tensor, "allReduce");
+    return queue_.push([this, tensor, op] {
+      guard("allReduce", [&] {
+        dispatchType(tensor.scalar_type(), [&](auto tag) {
+          using T = decltype(tag);
+          if (size() == 1 || tensor.numel() == 0) return;
+          gloo::AllreduceOptions opts(context_);
+          opts.setOutput(static_cast<T*>(tensor.data_ptr()), static_cast<size_t>(tensor.numel()));
+          opts.setReduceFunction(reduceFunc<T>(op));
+          opts.setTag(nextTag());
+          opts.setTimeout(options_.timeout);
+          gloo::allreduce(opts);
+        });
+        if (op == ReduceOp::kAverage && size() > 1) tensor.div_(size());
+      });
+    });
+  }
+
+  Work allGather(at::Tensor input, at::Tensor output) override {
+    check(input, "allGather");
+    check(output, "allGather");
+    sameType(input, output, "allGather");
+    const auto counts = chunkSizes(output.numel(), size());
+    if (input.numel() != counts[rank()]) {
+      throw Error("allGather: input has " + std::to_string(input.numel()) + " elements, rank " +
+                  std::to_string(rank()) + " must send " + std::to_string(counts[rank()]) +
+                  " of the output's " + std::to_string(output.numel()));
+    }
+    return queue_.push([this, input, output, counts] {
+      guard("allGather", [&] {
+        if (size() == 1) {
+          output.view({-1}).copy_(input.view({-1}));
+          return;
+        }
+        dispatchType(input.scalar_type(), [&](auto tag) {
+          using T = decltype(tag);
+          const bool even = std::all_of(counts.begin(), counts.end(),
+                                        [&](auto c) { return c == counts.front(); });
+          if (even) {
+            gloo::AllgatherOptions opts(context_);
+            opts.setInput(static_cast<T*>(input.data_ptr()), static_cast<size_t>(input.numel()));
+            opts.setOutput(static_cast<T*>(output.data_ptr()), static_cast<size_t>(output.numel()));
+            opts.setTag(nextTag());
+            opts.setTimeout(options_.timeout);
+            gloo::allgather(opts);
+          } else {
+            gloo::AllgathervOptions opts(context_);
+            opts.setInput(static_cast<T*>(input.data_ptr()), static_cast<size_t>(input.numel()));
+            opts.setOutput(static_cast<T*>(output.data_ptr()),
+                           std::vector<size_t>(counts.begin(), counts.end()));
+            opts.setTag(nextTag());
+            opts.setTimeout(options_.timeout);
+            gloo::allgatherv(opts);
+          }
+        });
+      });
+    });
+  }
+
+  Work reduceScatter(at::Tensor input, at::Tensor output, ReduceOp op) override {
+    check(input, "reduceScatter");
+    check(output, "reduceScatter");
+    sameType(input, output, "reduceScatter");
+    if (input.numel() > std::numeric_limits<int>::max()) {
+      throw Error("reduceScatter: " + std::to_string(input.numel()) +
+                  " elements exceed Gloo's limit of 2^31-1 per call");
+    }
+    const auto counts = chunkSizes(input.numel(), size());
+    if (output.numel() != counts[rank()]) {
+      throw Error("reduceScatter: output has " + std::to_string(output.numel()) +
+                  " elements, rank " + std::to_string(rank()) + " receives " +
+                  std::to_string(counts[rank()]) + " of the input's " +
+                  std::to_string(input.numel()));
+    }
+    return queue_.push([this, input, output, counts, op] {
+      guard("reduceScatter", [&] {
+        if (size() == 1) {
+          output.view({-1}).copy_(input.view({-1}));
+          return;
+        }
+        // The algorithm works in place and leaves this rank's chunk at the buffer's start.
+        at::Tensor scratch = input.clone();
+        dispatchType(input.scalar_type(), [&](auto tag) {
+          using T = decltype(tag);
+          std::vector<int> recv(counts.begin(), counts.end());
+          gloo::ReduceScatterHalvingDoubling<T> algorithm(
+              context_, {static_cast<T*>(scratch.data_ptr())}, static_cast<int>(input.numel()),
+              recv, reductionFunction<T>(op));
+          algorithm.run();
+        });
+        output.view({-1}).copy_(scratch.view({-1}).narrow(0, 0, counts[rank()]));
+        if (op == ReduceOp::kAverage) output.div_(size());
+      });
+    });
+  }
+
+  Work broadcast(at::Tensor tensor, int root) override {
+    check(tensor, "broadcast");
+    if (root < 0 || root >= size()) {
+      throw Error("broadcast: root " + std::to_string(root) + " is not a rank of 0.." +
+                  std::to_string(size() - 1));
+    }
+    return queue_.push([this, tensor, root] {
+      guard("broadcast", [&] {
+        if (size() == 1 || tensor.numel() == 0) return;
+        dispatchType(tensor.scalar_type(), [&](auto tag) {
+          using T = decltype(tag);
+          gloo::BroadcastOptions opts(context_);
+          opts.setOutput(static_cast<T*>(tensor.data_ptr()), static_cast<size_t>(tensor.numel()));
+          opts.setRoot(root);
+          opts.setTag(nextTag());
+          opts.setTimeout(options_.timeout);
+          gloo::broadcast(opts);
+        });
+      });
+    });
+  }
+
+  Work barrier() override {
+    return queue_.push([this] {
+      guard("barrier", [&] {
+        if (size() == 1) return;
+        gloo::BarrierOptions opts(context_);
+        opts.setTag(nextTag());
+        opts.setTimeout(options_.timeout);
+        gloo::barrier(opts);
+      });
+    });
+  }
+
+ private:
+  void check(const at::Tensor& t, const char* op) const {
+    if (!t.defined()) throw Error(std::string(op) + ": undefined tensor");
+    if (!t.device().is_cpu()) {
+      throw Error(std::string(op) + ": tensor on " + t.device().str() +
+                  ", but the Gloo communicator takes CPU tensors (use NCCL for CUDA)");
+    }
+    if (!t.is_contiguous()) throw Error(std::string(op) + ": tensor must be contiguous");
+    dispatchType(t.scalar_type(), [](auto) {});  // throws for dtypes Gloo cannot reduce
+  }
+  void sameType(const at::Tensor& a, const at::Tensor& b, const char* op) const {
+    if (a.scalar_type() != b.scalar_type()) {
+      throw Error(std::string(op) + ": input is " + c10::toString(a.scalar_type()) +
+                  " but output is " + c10::toString(b.scalar_type()));
+    }
+  }
+  // Turns Gloo's exceptions into ours, naming the rank and the operation.
+  template <typename Fn>
+  void guard(const char* op, Fn&& fn) {
+    try {
+      fn();
+    } catch (const gloo::IoException& e) {
+      throw NetworkError("gloo " + std::string(op) + " failed on rank " + std::to_string(rank()) +
+                             " of " + std::to_string(size()) + ": " + e.what(),
+                         "gloo peers");
+    } catch (const gloo::Exception& e) {
+      throw Error("gloo " + std::string(op) + " failed on rank " + std::to_string(rank()) +
+                  " of " + std::to_string(size()) + ": " + e.what());
+    }
+  }
+  std::uint32_t nextTag() { return tag_++; }
+
+  std::shared_ptr<gloo::rendezvous::Context> context_;
+  GlooOptions options_;
+  std::uint32_t tag_ = 1;  // touched only on the queue's thread
+  TaskQueue queue_;        // last: joined before the context goes away
+};
+
+}  // namespace
+
+std::vector<std::int64_t> chunkSizes(std::int64_t total, int worldSize) {
+  std::vector<std::int64_t> counts(static_cast<std::size_t>(worldSize), total / worldSize);
+  for (std::int64_t r = 0; r < total % worldSize; ++r) ++counts[static_cast<std::size_t>(r)];
+  return counts;
+}
+
+std::unique_ptr<Communicator> createGlooCommunicator(rendezvous::StoreClient& store,
+                                                     const GlooOptions& options) {
+  if (options.size < 1 || options.rank < 0 || options.rank >= options.size) {
+    throw ConfigError("Gloo communicator: rank " + std::to_string(options.rank) +
+                      " is not in a world of size " + std::to_string(options.size));
+  }
+  auto context = std::make_shared<gloo::rendezvous::Context>(options.rank, options.size);
+  context->setTimeout(options.timeout);
+  try {
+    gloo::transport::tcp::attr attr;
+    attr.hostname = options.localAddress;
+    auto device = gloo::transport::tcp::CreateDevice(attr);
+    GlooStore glooStore(store, options.storePrefix + "/", options.timeout);
+    context->connectFullMesh(glooStore, device);
+  } catch (const gloo::Exception& e) {
+    throw NetworkError("Gloo communicator: rank " + std::to_string(options.rank) + " of " +
+                           std::to_string(options.size) + " could not connect (store " +
+                           store.endpoint() + ", local address " + options.localAddress +
+                           "): " + e.what(),
+                       store.endpoint());
+  }
+  return std::make_unique<GlooCommunicator>(std::move(context), options);
+}
+
+}  // namespace fsdp::worker
