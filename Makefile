@@ -1,0 +1,47 @@
+# fsdprun — the commands a user and CI need.
+#   make demo    install what is missing, build, train mnist on 2 processes for one epoch
+#   make test    install what is missing, build, run every test (SANITIZE=1: ASan+UBSan build)
+#   make bench   install what is missing, build, run every benchmark (JSON lines)
+#   make build   install what is missing, build
+SANITIZE ?= 0
+ifeq ($(SANITIZE),1)
+BUILD_DIR ?= build-asan
+CMAKE_FLAGS += -DFSDP_SANITIZE=ON
+else
+BUILD_DIR ?= build
+endif
+CMAKE_BUILD_TYPE ?= RelWithDebInfo
+JOBS ?= $(shell nproc)
+# ccache must not tell precompiled headers apart by their timestamps.
+export CCACHE_SLOPPINESS := pch_defines,time_macros,include_file_mtime,include_file_ctime
+export CCACHE_MAXSIZE ?= 5G
+
+.PHONY: all deps configure build test demo bench clean format
+
+all: build
+
+deps:
+	@scripts/install-deps --check || scripts/install-deps
+
+$(BUILD_DIR)/build.ninja:
+	cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=$(CMAKE_BUILD_TYPE) $(CMAKE_FLAGS)
+
+configure: deps $(BUILD_DIR)/build.ninja
+
+build: configure
+	cmake --build $(BUILD_DIR) -j $(JOBS)
+
+test: build
+	cd $(BUILD_DIR) && ctest --output-on-failure --timeout 600 -j $(JOBS) $(CTEST_ARGS)
+
+demo: build
+	$(BUILD_DIR)/bin/fsdprun --standalone --nproc_per_node 2 $(BUILD_DIR)/bin/mnist --epochs 1
+
+bench: build
+	$(BUILD_DIR)/bin/fsdp-bench --all
+
+format:
+	find common rendezvous launcher slurm worker examples tests bench -name '*.[ch]pp' | xargs clang-format -i
+
+clean:
+	rm -rf build build-asan

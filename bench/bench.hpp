@@ -1,0 +1,40 @@
+#pragma once
+// fsdp-bench: benchmarks that print one JSON object per line and run their peer (c10d's
+// TCPStore, torchrun) in the same invocation, so that ratios hold on a noisy machine.
+
+#include <functional>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+namespace fsdp::bench {
+
+// Flags after the bench name, "--key value" pairs.
+class Args {
+ public:
+  explicit Args(std::map<std::string, std::string> values) : values_(std::move(values)) {}
+  // Comma-separated integers ("1,16,256"); throws ConfigError naming the flag.
+  std::vector<long long> ints(const std::string& name, const std::string& fallback) const;
+  std::string str(const std::string& name, const std::string& fallback) const;
+
+ private:
+  std::map<std::string, std::string> values_;
+};
+
+struct Bench {
+  std::string name;
+  std::string help;
+  std::vector<std::string> flags;        // the --flags it takes
+  std::function<void(const Args&)> run;  // prints JSON lines on stdout
+};
+
+void emit(const nlohmann::json& line);
+
+// Median and percentiles of samples (sorted in place).
+double percentile(std::vector<double>& samples, double p);
+
+void storeOps(const Args& args);
+void launch(const Args& args);
+
+}  // namespace fsdp::bench

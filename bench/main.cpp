@@ -1,0 +1,99 @@
+// fsdp-bench NAME [--flag value ...] | --list | --all
+#include <algorithm>
+#include <iostream>
+
+#include "bench.hpp"
+#include "fsdp/common/env.hpp"
+#include "fsdp/common/error.hpp"
+#include "fsdp/common/log.hpp"
+
+namespace fsdp::bench {
+
+std::vector<long long> Args::ints(const std::string& name, const std::string& fallback) const {
+  const auto it = values_.find(name);
+  const std::string text = it == values_.end() ? fallback : it->second;
+  std::vector<long long> out;
+  std::size_t start = 0;
+  while (start <= text.size()) {
+    const auto end = std::min(text.find(',', start), text.size());
+    const auto n = parseInt(text.substr(start, end - start));
+    if (!n || *n < 1) {
+      throw ConfigError("--" + name + " '" + text + "': expected positive integers separated by commas");
+    }
+    out.push_back(*n);
+    start = end + 1;
+  }
+  return out;
+}
+
+std::string Args::str(const std::string& name, const std::string& fallback) const {
+  const auto it = values_.find(name);
+  return it == values_.end() ? fallback : it->second;
+}
+
+void emit(const nlohmann::json& line) { std::cout << line.dump() << std::endl; }
+
+double percentile(std::vector<double>& samples, double p) {
+  if (samples.empty()) return 0;
+  std::sort(samples.begin(), samples.end());
+  const auto index = static_cast<std::size_t>(p * static_cast<double>(samples.size() - 1) + 0.5);
+  return samples[std::min(index, samples.size() - 1)];
+}
+
+}  // namespace fsdp::bench
+
+int main(int argc, char** argv) {
+  using namespace fsdp::bench;
+  fsdp::log::setup({.role = "fsdp-bench", .defaultLevel = spdlog::level::warn});
+  const std::vector<Bench> benches = {
+      {"store_ops",
+       "set/get/add throughput and p50/p99 latency, ours vs c10d::TCPStore (--clients 1,16,256)",
+       {"clients", "ops"},
+       storeOps},
+      {"launch",
+       "fsdprun vs torchrun (--monitor_interval 0.1): --standalone --nproc_per_node N /bin/true "
+       "(--n 1,2,4,8 --reps 5)",
+       {"n", "reps", "torchrun"},
+       launch},
+  };
+  if (argc < 2) {
+    std::cerr << "usage: fsdp-bench NAME [--flag value ...] | --list | --all\n";
+    return 2;
+  }
+  const std::string first = argv[1];
+  if (first == "--list") {
+    for (const auto& b : benches) std::cout << b.name << "\t" << b.help << "\n";
+    return 0;
+  }
+  try {
+    if (first == "--all") {
+      for (const auto& b : benches) b.run(Args({}));
+      return 0;
+    }
+    std::map<std::string, std::string> values;
+    for (int i = 2; i < argc; i += 2) {
+      const std::string flag = argv[i];
+      if (!flag.starts_with("--") || i + 1 >= argc) {
+        throw fsdp::ConfigError("'" + flag + "': expected --flag value pairs");
+      }
+      values[flag.substr(2)] = argv[i + 1];
+    }
+    for (const auto& b : benches) {
+      if (b.name != first) continue;
+      for (const auto& [flag, value] : values) {
+        if (std::find(b.flags.begin(), b.flags.end(), flag) == b.flags.end()) {
+          throw fsdp::ConfigError("--" + flag + ": not a flag of bench '" + b.name + "'");
+        }
+      }
+      b.run(Args(values));
+      return 0;
+    }
+    throw fsdp::ConfigError("unknown bench '" + first + "' (fsdp-bench --list names them)");
+  } catch (const fsdp::ConfigError& e) {
+    std::cerr << "fsdp-bench: error: " << e.what() << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "fsdp-bench: error: " << e.what() << "\n";
+    return 1;
+  }
+}
