@@ -73,6 +73,7 @@ std::vector<char*> cStrings(const std::vector<std::string>& strings) {
     if (fd < 0 || ::dup2(fd, target) < 0) fail(errno);
   };
   redirect(options.stdoutPath, STDOUT_FILENO);
+  if (options.stdoutFd && ::dup2(*options.stdoutFd, STDOUT_FILENO) < 0) fail(errno);
   redirect(options.stderrPath, STDERR_FILENO);
   ::execve(program, argv, envp);
   fail(errno);

@@ -111,3 +111,74 @@ std::string Sha256::hexDigest() {
 }
 
 }  // namespace fsdp
+
+#include <sys/random.h>
+
+#include <cerrno>
+
+#include "fsdp/common/error.hpp"
+
+namespace fsdp {
+
+std::array<std::uint8_t, 32> hmacSha256(std::string_view key, std::string_view message) {
+  std::array<std::uint8_t, 64> block{};
+  if (key.size() > block.size()) {
+    Sha256 h;
+    h.update(key);
+    const auto d = h.digest();
+    std::copy(d.begin(), d.end(), block.begin());
+  } else {
+    std::copy(key.begin(), key.end(), block.begin());
+  }
+  std::array<std::uint8_t, 64> inner{};
+  std::array<std::uint8_t, 64> outer{};
+  for (std::size_t i = 0; i < block.size(); ++i) {
+    inner[i] = block[i] ^ 0x36;
+    outer[i] = block[i] ^ 0x5c;
+  }
+  Sha256 in;
+  in.update(std::as_bytes(std::span(inner)));
+  in.update(message);
+  const auto innerDigest = in.digest();
+  Sha256 out;
+  out.update(std::as_bytes(std::span(outer)));
+  out.update(std::as_bytes(std::span(innerDigest)));
+  return out.digest();
+}
+
+bool constantTimeEqual(std::string_view a, std::string_view b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  }
+  return diff == 0;
+}
+
+std::string randomBytes(std::size_t n) {
+  std::string out(n, '\0');
+  std::size_t got = 0;
+  while (got < n) {
+    const ssize_t r = ::getrandom(out.data() + got, n - got, 0);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      throwErrno("getrandom", errno);
+    }
+    got += static_cast<std::size_t>(r);
+  }
+  return out;
+}
+
+std::string toHex(std::string_view bytes) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string hex;
+  hex.reserve(bytes.size() * 2);
+  for (const char c : bytes) {
+    const auto b = static_cast<unsigned char>(c);
+    hex += kHex[b >> 4];
+    hex += kHex[b & 0xf];
+  }
+  return hex;
+}
+
+}  // namespace fsdp

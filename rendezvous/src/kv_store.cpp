@@ -64,6 +64,13 @@ bool KvStore::containsAll(const std::vector<std::string>& keys) const {
   return std::all_of(keys.begin(), keys.end(), [this](const auto& k) { return data_.contains(k); });
 }
 
+std::vector<std::string> KvStore::keys() const {
+  std::vector<std::string> out;
+  out.reserve(data_.size());
+  for (const auto& [key, value] : data_) out.push_back(key);
+  return out;
+}
+
 bool KvStore::remove(const std::string& key) {
   const auto it = data_.find(key);
   if (it == data_.end()) return false;
@@ -138,6 +145,16 @@ std::optional<Response> StoreService::tryHandle(const Request& req) {
       break;
     case Op::kMultiSet:
       for (std::size_t i = 0; i < req.keys.size(); ++i) store_.set(req.keys[i], req.values[i]);
+      break;
+    case Op::kHello:
+    case Op::kAuth:
+    case Op::kJoin:
+    case Op::kHeartbeat:
+    case Op::kEndRound:
+    case Op::kCloseRun:
+    case Op::kEvent:
+      resp.status = Status::kError;
+      resp.value = opName(req.op) + " is not a store operation";
       break;
   }
   return resp;

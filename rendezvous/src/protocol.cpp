@@ -108,6 +108,11 @@ std::vector<std::uint8_t> frame(Op op, std::vector<std::uint8_t> body) {
 
 }  // namespace
 
+std::string authMessage(const std::string& runId, const std::string& clientNonce,
+                        const std::string& serverNonce) {
+  return "fsdprun-auth-v1\n" + runId + "\n" + clientNonce + "\n" + serverNonce;
+}
+
 std::string opName(Op op) {
   switch (op) {
     case Op::kPing: return "PING";
@@ -122,6 +127,13 @@ std::string opName(Op op) {
     case Op::kAppend: return "APPEND";
     case Op::kMultiGet: return "MULTI_GET";
     case Op::kMultiSet: return "MULTI_SET";
+    case Op::kHello: return "HELLO";
+    case Op::kAuth: return "AUTH";
+    case Op::kJoin: return "JOIN";
+    case Op::kHeartbeat: return "HEARTBEAT";
+    case Op::kEndRound: return "END_ROUND";
+    case Op::kCloseRun: return "CLOSE_RUN";
+    case Op::kEvent: return "EVENT";
   }
   return "op " + std::to_string(static_cast<int>(op));
 }
@@ -185,7 +197,8 @@ Request decodeRequest(Op op, std::span<const std::uint8_t> body, const Limits& l
     case Op::kAdd:
     case Op::kDelete:
     case Op::kCompareSet:
-    case Op::kAppend: needKeys(1); break;
+    case Op::kAppend:
+    case Op::kHello: needKeys(1); break;
     case Op::kMultiSet:
       if (req.values.size() != req.keys.size()) {
         throw ProtocolError("MULTI_SET with " + std::to_string(req.keys.size()) + " keys and " +
@@ -196,7 +209,13 @@ Request decodeRequest(Op op, std::span<const std::uint8_t> body, const Limits& l
     case Op::kNumKeys:
     case Op::kCheck:
     case Op::kWait:
-    case Op::kMultiGet: break;
+    case Op::kMultiGet:
+    case Op::kAuth:
+    case Op::kJoin:
+    case Op::kHeartbeat:
+    case Op::kEndRound:
+    case Op::kCloseRun:
+    case Op::kEvent: break;
   }
   return req;
 }

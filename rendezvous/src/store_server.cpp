@@ -2,13 +2,18 @@
 
 #include <boost/asio.hpp>
 #include <boost/asio/experimental/awaitable_operators.hpp>
+#include <deque>
 #include <future>
-#include <list>
 #include <thread>
+#include <unordered_map>
 
 #include "fsdp/common/error.hpp"
 #include "fsdp/common/log.hpp"
+#include "fsdp/common/sha256.hpp"
 #include "fsdp/rendezvous/kv_store.hpp"
+#include "fsdp/rendezvous/round.hpp"
+#include "pytorch_dialect.hpp"
+#include "session_io.hpp"
 
 namespace fsdp::rendezvous {
 
@@ -17,26 +22,9 @@ using asio::awaitable;
 using asio::ip::tcp;
 using namespace asio::experimental::awaitable_operators;
 constexpr auto kUseAwaitable = asio::use_awaitable;
+using TimePoint = asio::steady_timer::clock_type::time_point;
 
 namespace {
-
-// Reads exactly buffer.size() bytes before `deadline`; throws TimeoutError when the timer
-// wins and boost::system::system_error on socket errors (EOF included).
-awaitable<void> readWithDeadline(tcp::socket& socket, asio::mutable_buffer buffer,
-                                 asio::steady_timer::time_point deadline, const char* what) {
-  asio::steady_timer timer(socket.get_executor(), deadline);
-  auto result = co_await (asio::async_read(socket, buffer, kUseAwaitable) ||
-                          timer.async_wait(kUseAwaitable));
-  if (result.index() == 1) throw TimeoutError(std::string("timed out reading ") + what);
-}
-
-awaitable<void> writeWithDeadline(tcp::socket& socket, const std::vector<std::uint8_t>& bytes,
-                                  asio::steady_timer::time_point deadline) {
-  asio::steady_timer timer(socket.get_executor(), deadline);
-  auto result = co_await (asio::async_write(socket, asio::buffer(bytes), kUseAwaitable) ||
-                          timer.async_wait(kUseAwaitable));
-  if (result.index() == 1) throw TimeoutError("timed out writing a reply");
-}
 
 std::string peerName(const tcp::socket& socket) {
   boost::system::error_code ec;
@@ -47,109 +35,452 @@ std::string peerName(const tcp::socket& socket) {
 
 }  // namespace
 
-struct StoreServer::Impl {
-  ServerOptions options;
-  asio::io_context io{1};
-  tcp::acceptor acceptor{io};
+awaitable<void> readExact(tcp::socket& socket, asio::mutable_buffer buffer, TimePoint deadline,
+                          const char* what) {
+  boost::system::error_code ec;
+  std::size_t got = 0;
+  while (got < buffer.size()) {
+    const std::size_t n = socket.read_some(buffer + got, ec);
+    got += n;
+    if (ec == asio::error::would_block || ec == asio::error::try_again) break;
+    if (ec) throw boost::system::system_error(ec);
+  }
+  if (got == buffer.size()) co_return;
+  asio::steady_timer timer(socket.get_executor(), deadline);
+  auto result = co_await (asio::async_read(socket, buffer + got, kUseAwaitable) ||
+                          timer.async_wait(kUseAwaitable));
+  if (result.index() == 1) throw TimeoutError(std::string("timed out reading ") + what);
+}
+
+struct Run {
+  std::string id;
   KvStore store;
   StoreService service{store};
+  RoundState rounds;
+  std::size_t sessions = 0;
+  TimePoint lastActive;
+  std::unique_ptr<asio::steady_timer> tick;
+  bool dropped = false;
+};
+
+class Session;
+
+struct StoreServer::Impl {
+  ServerOptions options;
+  bool allowPytorch = true;
+  asio::io_context io{1};
+  tcp::acceptor acceptor{io};
+  asio::steady_timer sweep{io};
   ServerStats stats;
-  std::list<tcp::socket*> sockets;  // open sessions, closed on stop()
+  std::unordered_map<std::string, std::unique_ptr<Run>> runs;
+  std::unordered_map<AgentId, Session*> sessions;
+  AgentId nextSession = 1;
   std::thread thread;
   bool stopped = false;
 
-  awaitable<void> accept() {
-    for (;;) {
-      auto [ec, socket] = co_await acceptor.async_accept(asio::as_tuple(kUseAwaitable));
-      if (ec == asio::error::operation_aborted) co_return;
-      if (ec) {
-        // e.g. EMFILE: log and keep accepting; the listener must survive.
-        log::warn("store server: accept failed: {}", ec.message());
-        asio::steady_timer pause(io, std::chrono::milliseconds(10));
-        co_await pause.async_wait(asio::as_tuple(kUseAwaitable));
-        continue;
-      }
-      socket.set_option(tcp::no_delay(true), ec);
-      ++stats.connectionsAccepted;
-      asio::co_spawn(io, session(std::move(socket)), [](std::exception_ptr e) {
-        // session() handles what it expects; anything else ends that session only.
-        if (!e) return;
-        try {
-          std::rethrow_exception(e);
-        } catch (const std::exception& ex) {
-          log::error("store server: session ended by an unexpected error: {}", ex.what());
-        }
-      });
-    }
+  awaitable<void> accept();
+  awaitable<void> sweepRuns();
+  awaitable<void> tickRun(Run* run);
+  Run& bindRun(const std::string& id);
+  void rearm(Run& run);
+  void deliver(const std::vector<Event>& events);
+};
+
+// One connection. Reads requests in order; writes replies and pushed events through one
+// outbox, so that events from other sessions never interleave with a half-written frame.
+class Session : public std::enable_shared_from_this<Session> {
+ public:
+  Session(StoreServer::Impl& server, tcp::socket socket)
+      : server_(server), socket_(std::move(socket)), wake_(socket_.get_executor()),
+        peer_(peerName(socket_)), id_(server.nextSession++) {
+    wake_.expires_at(TimePoint::max());
   }
 
-  awaitable<void> session(tcp::socket socket) {
-    const std::string peer = peerName(socket);
-    ++stats.connectionsOpen;
-    auto self = sockets.insert(sockets.end(), &socket);
+  awaitable<void> run() {
+    server_.sessions.emplace(id_, this);
+    ++server_.stats.connectionsOpen;
+    boost::system::error_code ec;
+    socket_.non_blocking(true, ec);
     try {
-      for (;;) {
-        std::array<std::uint8_t, kHeaderSize> header{};
-        // Wait for the first byte without a deadline (idle is normal), the rest with one.
-        co_await asio::async_read(socket, asio::buffer(header.data(), 1), kUseAwaitable);
-        const auto frameDeadline = asio::steady_timer::clock_type::now() + options.frameTimeout;
-        co_await readWithDeadline(socket, asio::buffer(header.data() + 1, kHeaderSize - 1),
-                                  frameDeadline, "a frame header");
-        const Header h = decodeHeader(header, options.limits);
-        std::vector<std::uint8_t> body(h.bodyLength);
-        co_await readWithDeadline(socket, asio::buffer(body), frameDeadline, "a frame body");
-        const Request req = decodeRequest(h.op, body, options.limits);
-        Response resp = co_await answer(req);
-        ++stats.requestsServed;
-        co_await writeWithDeadline(socket, encodeResponse(h.op, resp),
-                                   asio::steady_timer::clock_type::now() + options.frameTimeout);
+      co_await (reader() || writer());
+    } catch (const std::exception& e) {
+      log::warn("store server: connection {} ended: {}", peer_, e.what());
+    }
+    finish();
+  }
+
+  // Queues a frame; writes it at once when the socket takes it.
+  void send(std::vector<std::uint8_t> frame) {
+    if (closed_) return;
+    if (outbox_.empty()) {
+      boost::system::error_code ec;
+      const std::size_t n = socket_.write_some(asio::buffer(frame), ec);
+      if (!ec && n == frame.size()) return;
+      if (ec && ec != asio::error::would_block && ec != asio::error::try_again) {
+        close();
+        return;
+      }
+      frame.erase(frame.begin(), frame.begin() + static_cast<std::ptrdiff_t>(n));
+    }
+    outbox_.push_back(std::move(frame));
+    wake_.cancel();
+  }
+
+  void closeAfterFlush() {
+    closeAfterFlush_ = true;
+    wake_.cancel();
+  }
+
+  void close() {
+    if (closed_) return;
+    closed_ = true;
+    boost::system::error_code ec;
+    socket_.close(ec);
+    wake_.cancel();
+    parked_.cancel();
+  }
+
+  AgentId id() const { return id_; }
+
+ private:
+  awaitable<void> reader() {
+    try {
+      std::uint8_t first = 0;
+      // The first byte may take as long as the client likes; it tells the dialect.
+      co_await asio::async_read(socket_, asio::buffer(&first, 1), kUseAwaitable);
+      if (first == static_cast<std::uint8_t>(kMagic & 0xff)) {
+        co_await serveFramed(first);
+      } else if (server_.allowPytorch) {
+        Run& run = server_.bindRun(server_.options.pytorchRunId);
+        run_ = &run;
+        co_await servePytorchDialect(socket_, first, run.store, server_.options.limits,
+                                     server_.options.frameTimeout, [this] { return closed_; },
+                                     [this](std::vector<std::uint8_t> bytes) { send(std::move(bytes)); });
+      } else {
+        ++server_.stats.authFailures;
+        log::warn("store server: closing connection from {}: PyTorch TCPStore clients are off "
+                  "(the server has a job token; enable them explicitly)",
+                  peer_);
       }
     } catch (const ProtocolError& e) {
-      ++stats.protocolErrors;
-      log::warn("store server: closing connection from {}: protocol error: {}", peer, e.what());
+      ++server_.stats.protocolErrors;
+      log::warn("store server: closing connection from {}: protocol error: {}", peer_, e.what());
     } catch (const TimeoutError& e) {
-      log::warn("store server: closing connection from {}: {}", peer, e.what());
+      log::warn("store server: closing connection from {}: {}", peer_, e.what());
     } catch (const boost::system::system_error& e) {
-      if (e.code() != asio::error::eof && e.code() != asio::error::operation_aborted &&
-          e.code() != asio::error::connection_reset) {
-        log::warn("store server: connection from {} failed: {}", peer, e.code().message());
+      const auto code = e.code();
+      if (code != asio::error::eof && code != asio::error::operation_aborted &&
+          code != asio::error::connection_reset && code != asio::error::bad_descriptor) {
+        log::warn("store server: connection from {} failed: {}", peer_, code.message());
       }
     }
-    sockets.erase(self);
-    --stats.connectionsOpen;
   }
 
-  // Answers one request; parks it server side while it has to wait.
-  awaitable<Response> answer(const Request& req) {
+  awaitable<void> writer() {
+    for (;;) {
+      while (!outbox_.empty() && !closed_) {
+        asio::steady_timer timer(socket_.get_executor(),
+                                 asio::steady_timer::clock_type::now() + server_.options.frameTimeout);
+        auto result = co_await (asio::async_write(socket_, asio::buffer(outbox_.front()), kUseAwaitable) ||
+                                timer.async_wait(kUseAwaitable));
+        if (result.index() == 1) throw TimeoutError("client " + peer_ + " does not read its replies");
+        outbox_.pop_front();
+      }
+      if (closed_) co_return;
+      if (closeAfterFlush_) {
+        close();
+        co_return;
+      }
+      co_await wake_.async_wait(asio::as_tuple(kUseAwaitable));
+      wake_.expires_at(TimePoint::max());
+    }
+  }
+
+  awaitable<void> serveFramed(std::uint8_t first) {
+    const auto& limits = server_.options.limits;
+    bool firstFrame = true;
+    for (;;) {
+      std::array<std::uint8_t, kHeaderSize> header{};
+      std::size_t offset = 0;
+      if (firstFrame) {
+        header[0] = first;
+        offset = 1;
+        firstFrame = false;
+      } else {
+        co_await asio::async_read(socket_, asio::buffer(header.data(), 1), kUseAwaitable);
+        offset = 1;
+      }
+      const auto frameDeadline = asio::steady_timer::clock_type::now() + server_.options.frameTimeout;
+      co_await readExact(socket_, asio::buffer(header.data() + offset, kHeaderSize - offset),
+                         frameDeadline, "a frame header");
+      const Header h = decodeHeader(header, limits);
+      std::vector<std::uint8_t> body(h.bodyLength);
+      co_await readExact(socket_, asio::buffer(body), frameDeadline, "a frame body");
+      const Request req = decodeRequest(h.op, body, limits);
+      ++server_.stats.requestsServed;
+      if (!co_await handleFramed(req)) co_return;
+      if (closed_) co_return;
+    }
+  }
+
+  // Returns false when the connection must close.
+  awaitable<bool> handleFramed(const Request& req) {
+    if (req.op == Op::kHello) {
+      if (run_ != nullptr) throw ProtocolError("HELLO sent twice");
+      runId_ = req.keys[0];
+      if (runId_.empty()) throw ProtocolError("HELLO with an empty run id");
+      Response resp;
+      if (!server_.options.token.empty()) {
+        serverNonce_ = randomBytes(16);
+        clientNonce_ = req.value;
+        resp.number = 1;
+        resp.value = serverNonce_;
+      } else {
+        authenticated_ = true;
+        bind();
+      }
+      send(encodeResponse(req.op, resp));
+      co_return true;
+    }
+    if (req.op == Op::kAuth) {
+      if (runId_.empty() || authenticated_ || serverNonce_.empty()) {
+        throw ProtocolError("AUTH out of order");
+      }
+      const auto mac = hmacSha256(server_.options.token, authMessage(runId_, clientNonce_, serverNonce_));
+      const std::string expected(reinterpret_cast<const char*>(mac.data()), mac.size());
+      if (!constantTimeEqual(expected, req.value)) {
+        ++server_.stats.authFailures;
+        log::warn("store server: connection from {} failed authentication for run '{}'", peer_, runId_);
+        send(encodeResponse(req.op, Response{Status::kError, 0, "authentication failed", {}}));
+        closeAfterFlush();
+        co_return false;
+      }
+      authenticated_ = true;
+      bind();
+      send(encodeResponse(req.op, Response{}));
+      co_return true;
+    }
+    if (!authenticated_ || run_ == nullptr) {
+      ++server_.stats.authFailures;
+      log::warn("store server: closing connection from {}: {} before HELLO/AUTH", peer_, opName(req.op));
+      send(encodeResponse(req.op, Response{Status::kError, 0, "not authenticated: send HELLO (and AUTH) first", {}}));
+      closeAfterFlush();
+      co_return false;
+    }
+    Run& run = *run_;
+    run.lastActive = asio::steady_timer::clock_type::now();
+    const auto now = Clock::now();
+    switch (req.op) {
+      case Op::kJoin: {
+        joined_ = true;
+        server_.deliver(run.rounds.join(id_, decodeJoin(req.value), now));
+        server_.rearm(run);
+        co_return true;
+      }
+      case Op::kHeartbeat:
+        run.rounds.heartbeat(id_, now);
+        co_return true;
+      case Op::kEndRound:
+        server_.deliver(run.rounds.endRound(id_, req.value, now));
+        server_.rearm(run);
+        co_return true;
+      case Op::kCloseRun:
+        log::info("store server: run '{}' closed by {}: {}", run.id, peer_, req.value);
+        server_.deliver(run.rounds.close(req.value));
+        server_.rearm(run);
+        co_return true;
+      default: break;
+    }
+    if (req.op == Op::kSet || req.op == Op::kAppend || req.op == Op::kMultiSet) {
+      std::uint64_t adding = 0;
+      for (const auto& k : req.keys) adding += k.size();
+      adding += req.value.size();
+      for (const auto& v : req.values) adding += v.size();
+      if (run.store.bytesHeld() + adding > server_.options.limits.maxRunBytes) {
+        throw ProtocolError("run '" + run.id + "' would hold " +
+                            std::to_string(run.store.bytesHeld() + adding) +
+                            " bytes, over the limit of " +
+                            std::to_string(server_.options.limits.maxRunBytes));
+      }
+    }
+    send(encodeResponse(req.op, co_await answer(run, req)));
+    co_return true;
+  }
+
+  // Answers one store request; parks it server side while it has to wait.
+  awaitable<Response> answer(Run& run, const Request& req) {
     const auto deadline =
         asio::steady_timer::clock_type::now() + std::chrono::milliseconds(req.timeoutMs);
     for (;;) {
       std::optional<Response> resp;
       try {
-        resp = service.tryHandle(req);
+        resp = run.service.tryHandle(req);
       } catch (const ProtocolError& e) {
-        // A semantic error (ADD on a non-integer) is the client's problem, not the link's.
         co_return Response{Status::kError, 0, e.what(), {}};
       }
       if (resp) co_return std::move(*resp);
       if (asio::steady_timer::clock_type::now() >= deadline) {
         Response timeout{Status::kTimeout, 0, {}, {}};
         for (const auto& key : req.keys) {
-          if (!store.contains(key)) timeout.value += (timeout.value.empty() ? "" : ", ") + key;
+          if (!run.store.contains(key)) timeout.value += (timeout.value.empty() ? "" : ", ") + key;
         }
         co_return timeout;
       }
-      asio::steady_timer timer(io, deadline);
-      const auto id = store.watch(req.keys, [&timer] { timer.cancel(); });
-      co_await timer.async_wait(asio::as_tuple(kUseAwaitable));
-      store.unwatch(id);
-      if (stopped) throw boost::system::system_error(asio::error::operation_aborted);
+      parked_.expires_at(deadline);
+      const auto watch = run.store.watch(req.keys, [this] { parked_.cancel(); });
+      co_await parked_.async_wait(asio::as_tuple(kUseAwaitable));
+      run.store.unwatch(watch);
+      if (closed_) throw boost::system::system_error(asio::error::operation_aborted);
     }
   }
+
+  void bind() {
+    run_ = &server_.bindRun(runId_);
+  }
+
+  void finish() {
+    close();
+    server_.sessions.erase(id_);
+    --server_.stats.connectionsOpen;
+    if (run_ != nullptr) {
+      Run& run = *run_;
+      --run.sessions;
+      run.lastActive = asio::steady_timer::clock_type::now();
+      if (joined_ && !server_.stopped) {
+        server_.deliver(run.rounds.leave(id_, "connection closed", Clock::now()));
+        server_.rearm(run);
+      }
+    }
+  }
+
+  StoreServer::Impl& server_;
+  tcp::socket socket_;
+  asio::steady_timer wake_;
+  asio::steady_timer parked_{socket_.get_executor()};
+  std::string peer_;
+  AgentId id_;
+  std::deque<std::vector<std::uint8_t>> outbox_;
+  bool closed_ = false;
+  bool closeAfterFlush_ = false;
+  Run* run_ = nullptr;
+  std::string runId_;
+  std::string clientNonce_;
+  std::string serverNonce_;
+  bool authenticated_ = false;
+  bool joined_ = false;
 };
+
+Run& StoreServer::Impl::bindRun(const std::string& id) {
+  auto& slot = runs[id];
+  if (!slot) {
+    slot = std::make_unique<Run>();
+    slot->id = id;
+    slot->tick = std::make_unique<asio::steady_timer>(io);
+    slot->tick->expires_at(TimePoint::max());
+    ++stats.runs;
+    asio::co_spawn(io, tickRun(slot.get()), [](std::exception_ptr e) {
+      if (!e) return;
+      try {
+        std::rethrow_exception(e);
+      } catch (const std::exception& ex) {
+        log::error("store server: round timer failed: {}", ex.what());
+      }
+    });
+    log::debug("store server: run '{}' created", id);
+  }
+  ++slot->sessions;
+  slot->lastActive = asio::steady_timer::clock_type::now();
+  return *slot;
+}
+
+void StoreServer::Impl::rearm(Run& run) {
+  const auto next = run.rounds.nextDeadline();
+  // RoundState's clock is std::chrono::steady_clock, the same as the timer's.
+  run.tick->expires_at(next ? *next : TimePoint::max());
+}
+
+awaitable<void> StoreServer::Impl::tickRun(Run* run) {
+  while (!run->dropped && !stopped) {
+    auto [ec] = co_await run->tick->async_wait(asio::as_tuple(kUseAwaitable));
+    if (run->dropped || stopped) co_return;
+    if (ec) continue;  // re-armed: wait for the new deadline
+    deliver(run->rounds.tick(Clock::now()));
+    rearm(*run);
+  }
+}
+
+void StoreServer::Impl::deliver(const std::vector<Event>& events) {
+  for (const auto& event : events) {
+    const auto it = sessions.find(event.agent);
+    if (it == sessions.end()) continue;
+    Session& session = *it->second;
+    Response resp;
+    resp.number = static_cast<std::int64_t>(event.kind);
+    resp.value = event.kind == EventKind::kAssigned ? encodeAssignment(event.assignment) : event.reason;
+    session.send(encodeResponse(Op::kEvent, resp));
+    if (event.kind == EventKind::kDisconnect || event.kind == EventKind::kJoinFailed) {
+      session.closeAfterFlush();
+    }
+  }
+}
+
+awaitable<void> StoreServer::Impl::accept() {
+  for (;;) {
+    auto [ec, socket] = co_await acceptor.async_accept(asio::as_tuple(kUseAwaitable));
+    if (ec == asio::error::operation_aborted || stopped) co_return;
+    if (ec) {
+      // e.g. EMFILE: log and keep accepting; the listener must survive.
+      log::warn("store server: accept failed: {}", ec.message());
+      asio::steady_timer pause(io, std::chrono::milliseconds(10));
+      co_await pause.async_wait(asio::as_tuple(kUseAwaitable));
+      continue;
+    }
+    ++stats.connectionsAccepted;
+    if (options.maxConnections > 0 && sessions.size() >= options.maxConnections) {
+      log::warn("store server: refusing connection from {}: {} connections open (--max_connections)",
+                peerName(socket), sessions.size());
+      socket.close(ec);
+      continue;
+    }
+    socket.set_option(tcp::no_delay(true), ec);
+    auto session = std::make_shared<Session>(*this, std::move(socket));
+    asio::co_spawn(io, session->run(), [session](std::exception_ptr e) {
+      if (!e) return;
+      try {
+        std::rethrow_exception(e);
+      } catch (const std::exception& ex) {
+        log::error("store server: session ended by an unexpected error: {}", ex.what());
+      }
+    });
+  }
+}
+
+awaitable<void> StoreServer::Impl::sweepRuns() {
+  const auto every = std::max(std::chrono::milliseconds(100), options.runIdleTtl / 4);
+  while (!stopped) {
+    sweep.expires_after(every);
+    co_await sweep.async_wait(asio::as_tuple(kUseAwaitable));
+    if (stopped) co_return;
+    const auto now = asio::steady_timer::clock_type::now();
+    for (auto it = runs.begin(); it != runs.end();) {
+      Run& run = *it->second;
+      if (run.sessions == 0 && now - run.lastActive >= options.runIdleTtl) {
+        log::info("store server: dropping idle run '{}' ({} keys)", run.id, run.store.size());
+        run.dropped = true;
+        run.tick->cancel();
+        // The ticker coroutine still refers to the timer: let it finish before freeing.
+        asio::post(io, [owned = std::shared_ptr<Run>(std::move(it->second))] {});
+        it = runs.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+}
 
 StoreServer::StoreServer(ServerOptions options) : impl_(std::make_unique<Impl>()) {
   impl_->options = std::move(options);
+  impl_->allowPytorch = impl_->options.allowPytorchClients.value_or(impl_->options.token.empty());
   const std::string where = impl_->options.host + ":" + std::to_string(impl_->options.port);
   try {
     const auto address = asio::ip::make_address(impl_->options.host);
@@ -161,9 +492,16 @@ StoreServer::StoreServer(ServerOptions options) : impl_(std::make_unique<Impl>()
   } catch (const boost::system::system_error& e) {
     throw NetworkError("store server: cannot listen on " + where + ": " + e.code().message(), where);
   }
-  asio::co_spawn(impl_->io, impl_->accept(), [](std::exception_ptr e) {
-    if (e) std::rethrow_exception(e);
-  });
+  const auto logError = [](std::exception_ptr e) {
+    if (!e) return;
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& ex) {
+      log::error("store server: {}", ex.what());
+    }
+  };
+  asio::co_spawn(impl_->io, impl_->accept(), logError);
+  asio::co_spawn(impl_->io, impl_->sweepRuns(), logError);
   impl_->thread = std::thread([impl = impl_.get()] { impl->io.run(); });
   log::debug("store server listening on {}:{}", impl_->options.host, port());
 }
@@ -177,11 +515,19 @@ const std::string& StoreServer::host() const { return impl_->options.host; }
 void StoreServer::stop() {
   if (!impl_->thread.joinable()) return;
   asio::post(impl_->io, [impl = impl_.get()] {
-    impl->stopped = true;
     boost::system::error_code ec;
     impl->acceptor.close(ec);
-    for (auto* socket : impl->sockets) socket->close(ec);
-    impl->io.stop();
+    for (auto& [id, run] : impl->runs) impl->deliver(run->rounds.close("server shutting down"));
+    impl->stopped = true;
+    impl->sweep.cancel();
+    for (auto& [id, session] : impl->sessions) session->closeAfterFlush();
+    // Give the goodbyes a moment to leave, then close whatever is still open.
+    auto timer = std::make_shared<asio::steady_timer>(impl->io, std::chrono::milliseconds(200));
+    timer->async_wait([impl, timer](boost::system::error_code) {
+      for (auto& [id, session] : impl->sessions) session->close();
+      for (auto& [id, run] : impl->runs) run->tick->cancel();
+      impl->io.stop();
+    });
   });
   impl_->thread.join();
 }

@@ -105,3 +105,30 @@ TEST(ChildProcess, WaitForTimesOutOnARunningChild) {
 
 }  // namespace
 }  // namespace fsdp
+
+namespace fsdp {
+namespace {
+
+TEST(HmacSha256, MatchesRfc4231TestCases) {
+  const auto hex = [](const std::array<std::uint8_t, 32>& d) {
+    return toHex(std::string_view(reinterpret_cast<const char*>(d.data()), d.size()));
+  };
+  EXPECT_EQ(hex(hmacSha256(std::string(20, '\x0b'), "Hi There")),
+            "b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7");
+  EXPECT_EQ(hex(hmacSha256("Jefe", "what do ya want for nothing?")),
+            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
+  EXPECT_EQ(hex(hmacSha256(std::string(131, '\xaa'),
+                           "Test Using Larger Than Block-Size Key - Hash Key First")),
+            "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54");
+}
+
+TEST(ConstantTimeEqual, ComparesContentAndLength) {
+  EXPECT_TRUE(constantTimeEqual("abc", "abc"));
+  EXPECT_FALSE(constantTimeEqual("abc", "abd"));
+  EXPECT_FALSE(constantTimeEqual("abc", "ab"));
+  EXPECT_EQ(randomBytes(16).size(), 16u);
+  EXPECT_NE(randomBytes(16), randomBytes(16));
+}
+
+}  // namespace
+}  // namespace fsdp

@@ -18,6 +18,7 @@ struct SpawnOptions {
   int deathSignal = 9;                // PR_SET_PDEATHSIG: sent when the parent thread dies; 0 = none
   std::optional<std::string> stdoutPath;  // redirect (truncate) when set
   std::optional<std::string> stderrPath;
+  std::optional<int> stdoutFd;            // dup2'ed onto stdout when set (e.g. a pipe's write end)
 };
 
 class ChildProcess {

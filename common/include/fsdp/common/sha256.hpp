@@ -30,3 +30,19 @@ class Sha256 {
 };
 
 }  // namespace fsdp
+
+namespace fsdp {
+
+// HMAC-SHA256 (RFC 2104) of `message` under `key`.
+std::array<std::uint8_t, 32> hmacSha256(std::string_view key, std::string_view message);
+
+// Compares in time that depends only on the lengths, not on where the inputs differ.
+bool constantTimeEqual(std::string_view a, std::string_view b);
+
+// `n` bytes from the kernel's CSPRNG (getrandom); throws Error if it fails.
+std::string randomBytes(std::size_t n);
+
+// Lowercase hex of bytes.
+std::string toHex(std::string_view bytes);
+
+}  // namespace fsdp

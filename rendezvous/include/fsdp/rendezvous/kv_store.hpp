@@ -33,6 +33,7 @@ class KvStore {
   bool containsAll(const std::vector<std::string>& keys) const;
   bool remove(const std::string& key);
   std::size_t size() const { return data_.size(); }
+  std::vector<std::string> keys() const;
   std::size_t bytesHeld() const { return bytes_; }
 
   // Calls `fire` once, the next time any of `keys` is written. The callback must not touch

@@ -35,8 +35,22 @@ enum class Op : std::uint8_t {
   kAppend = 9,
   kMultiGet = 10,   // non-waiting; missing keys are an error
   kMultiSet = 11,
+  // Session and rendezvous ops.
+  kHello = 12,      // keys[0] = run id, value = client nonce; reply: number = 1 if AUTH is
+                    // required, value = server nonce
+  kAuth = 13,       // value = HMAC-SHA256(token, authMessage(...)); reply OK, or error + close
+  kJoin = 14,       // value = JSON JoinRequest; answered by an EVENT (assigned / join failed)
+  kHeartbeat = 15,  // no reply
+  kEndRound = 16,   // value = reason; no reply (every member gets a ROUND_ENDED event)
+  kCloseRun = 17,   // value = reason; no reply (everyone gets RUN_CLOSED)
+  kEvent = 18,      // server to client only: number = EventKind, value = JSON or reason
 };
-inline constexpr std::uint8_t kMaxOp = 11;
+inline constexpr std::uint8_t kMaxOp = 18;
+
+// The message a client MACs to authenticate: binds the token proof to this run and both
+// nonces, so a recorded proof cannot be replayed on another connection.
+std::string authMessage(const std::string& runId, const std::string& clientNonce,
+                        const std::string& serverNonce);
 
 std::string opName(Op op);
 
@@ -49,6 +63,7 @@ struct Limits {
   std::uint32_t maxKeyBytes = 4096;
   std::uint32_t maxValueBytes = 32u << 20;
   std::uint32_t maxKeysPerRequest = 65536;
+  std::uint64_t maxRunBytes = 1ull << 30;  // keys + values held per run
 };
 
 struct Header {

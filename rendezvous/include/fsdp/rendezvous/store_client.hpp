@@ -15,6 +15,9 @@
 #include "fsdp/rendezvous/protocol.hpp"
 
 namespace fsdp::rendezvous {
+namespace detail {
+class Connection;
+}
 
 struct ClientOptions {
   // How long connect() keeps retrying (exponential backoff with jitter) before giving up.
@@ -22,12 +25,16 @@ struct ClientOptions {
   // Default bound for get() and wait().
   std::chrono::milliseconds timeout{300000};
   Limits limits;
+  // The run (job) whose keys this client sees, and its token (empty: none).
+  std::string runId = "default";
+  std::string token;
 };
 
 class StoreClient {
  public:
-  // Connects to host:port. Throws TimeoutError naming the endpoint, the last error and the
-  // time waited when no connection could be made within options.connectTimeout.
+  // Connects to host:port and joins options.runId (authenticating with options.token when the
+  // server asks). Throws TimeoutError naming the endpoint, the last error and the time waited
+  // when no connection could be made within options.connectTimeout.
   static std::unique_ptr<StoreClient> connect(const std::string& host, std::uint16_t port,
                                               ClientOptions options = {});
   ~StoreClient();
@@ -57,9 +64,9 @@ class StoreClient {
   std::chrono::milliseconds defaultTimeout() const { return options_.timeout; }
 
  private:
-  StoreClient(int fd, std::string endpoint, ClientOptions options);
+  StoreClient(std::unique_ptr<detail::Connection> connection, ClientOptions options);
   Response call(Request request, std::chrono::milliseconds waitTimeout);
-  int fd_;
+  std::unique_ptr<detail::Connection> connection_;
   std::string endpoint_;
   ClientOptions options_;
   std::mutex mutex_;

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "fsdp/rendezvous/protocol.hpp"
@@ -23,6 +24,18 @@ struct ServerOptions {
   // idle connection between frames is normal (a worker trains for hours between requests);
   // a closed one is noticed at once.
   std::chrono::milliseconds frameTimeout{30000};
+  // The job token. When set, every connection of our protocol must prove it (HMAC
+  // challenge-response) before anything else; it is never logged.
+  std::string token;
+  // Serve PyTorch's TCPStore clients (who cannot authenticate) on the same port. Default: on
+  // without a token, off with one.
+  std::optional<bool> allowPytorchClients;
+  // The run whose keys PyTorch clients see.
+  std::string pytorchRunId = "default";
+  // Connections beyond this many are closed at once (logged); 0 = no limit.
+  std::size_t maxConnections = 0;
+  // A run with no connection and no activity for this long is dropped with its keys.
+  std::chrono::milliseconds runIdleTtl{600000};
 };
 
 struct ServerStats {
@@ -30,6 +43,8 @@ struct ServerStats {
   std::uint64_t connectionsOpen = 0;
   std::uint64_t requestsServed = 0;
   std::uint64_t protocolErrors = 0;
+  std::uint64_t authFailures = 0;
+  std::uint64_t runs = 0;
 };
 
 class StoreServer {
@@ -43,13 +58,15 @@ class StoreServer {
   // The bound port (the kernel's choice when options.port was 0).
   std::uint16_t port() const;
   const std::string& host() const;
-  // Stops accepting, closes every connection, joins the thread. Idempotent.
+  // Stops accepting, tells every rendezvous agent (RUN_CLOSED "server shutting down"), closes
+  // every connection, joins the thread. Idempotent.
   void stop();
   // A snapshot, taken on the server thread.
   ServerStats stats() const;
 
+  struct Impl;  // opaque: the event loop's state
+
  private:
-  struct Impl;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -1,0 +1,64 @@
+#pragma once
+// An agent's rendezvous connection: one long-lived TCP connection, one JOIN per round, the
+// answer pushed by the server when the round completes, then pushed events (ROUND_ENDED,
+// RUN_CLOSED) while the round runs. Heartbeats keep a silent-but-alive agent in the round.
+//
+// Thread-safety: none; one agent thread owns it (poll fd() in its event loop).
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "fsdp/common/error.hpp"
+#include "fsdp/rendezvous/round.hpp"
+#include "fsdp/rendezvous/store_client.hpp"
+
+namespace fsdp::rendezvous {
+
+namespace detail {
+class Connection;
+}
+
+// The run was closed (job finished or gave up, server shutting down); final.
+class RunClosedError : public Error {
+ public:
+  using Error::Error;
+};
+
+struct RendezvousEvent {
+  EventKind kind = EventKind::kRoundEnded;
+  Assignment assignment;
+  std::string reason;
+};
+
+class RendezvousClient {
+ public:
+  static std::unique_ptr<RendezvousClient> connect(const std::string& host, std::uint16_t port,
+                                                   const ClientOptions& options);
+  ~RendezvousClient();
+  RendezvousClient(const RendezvousClient&) = delete;
+  RendezvousClient& operator=(const RendezvousClient&) = delete;
+
+  // Joins the next round and blocks until it completes. Throws RunClosedError, Error (the
+  // server refused the join, e.g. join timeout, naming how many nodes came), TimeoutError.
+  Assignment join(const JoinRequest& request, std::chrono::milliseconds timeout);
+  void heartbeat();
+  // Asks every member to restart (ends the round for all).
+  void endRound(const std::string& reason);
+  // Ends the run for everyone, for good.
+  void closeRun(const std::string& reason);
+  // Waits up to `timeout` for a pushed event; nullopt when none came. Throws NetworkError
+  // when the server closed the connection.
+  std::optional<RendezvousEvent> nextEvent(std::chrono::milliseconds timeout);
+  // Readable when an event is waiting (for poll()).
+  int fd() const;
+  const std::string& endpoint() const;
+
+ private:
+  explicit RendezvousClient(std::unique_ptr<detail::Connection> connection);
+  std::unique_ptr<detail::Connection> connection_;
+};
+
+}  // namespace fsdp::rendezvous

@@ -1,0 +1,115 @@
+#pragma once
+// Server-side rendezvous rounds of one run, as a pure state machine: inputs are joins,
+// leaves, heartbeats, restart requests and the clock; outputs are events addressed to
+// agents. No I/O, no threads: the server drives it from its event loop, tests drive it with
+// a fake clock.
+//
+// A round completes at max_nodes at once, or at min_nodes after the last-call wait. Node
+// ranks are deterministic: agents with a preferred rank first (by that rank), then by node
+// name. A member that leaves (connection closed, heartbeats missed), asks to restart, or a
+// new node waiting while a round runs (and the round is below max_nodes) ends the round for
+// everyone at once.
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace fsdp::rendezvous {
+
+using AgentId = std::uint64_t;
+using Clock = std::chrono::steady_clock;
+
+struct JoinRequest {
+  std::string node;           // node name (host name, or anything unique per agent)
+  std::string address;        // address the node's workers are reachable on
+  int localWorldSize = 1;
+  int preferredRank = -1;     // e.g. SLURM_NODEID; -1 = none
+  int masterPort = 0;         // the port this node would use as MASTER_PORT if it is node 0
+  int minNodes = 1;
+  int maxNodes = 1;
+  std::chrono::milliseconds lastCallTimeout{1000};
+  std::chrono::milliseconds joinTimeout{600000};
+  std::chrono::milliseconds heartbeatTimeout{15000};
+};
+
+struct Assignment {
+  int round = 0;
+  int nodeRank = 0;
+  int rankOffset = 0;  // global rank of this node's local rank 0
+  int worldSize = 0;   // sum of every member's local world size
+  int nnodes = 0;
+  std::string masterAddr;
+  int masterPort = 0;
+};
+
+enum class EventKind : std::uint8_t {
+  kAssigned = 1,    // the answer to a join
+  kRoundEnded = 2,  // re-join to continue
+  kRunClosed = 3,   // final
+  kJoinFailed = 4,  // a join that cannot be served (timeout, bad parameters)
+  kDisconnect = 5,  // the server should close this agent's connection (missed heartbeats)
+};
+
+struct Event {
+  AgentId agent = 0;
+  EventKind kind = EventKind::kAssigned;
+  Assignment assignment;  // kAssigned
+  std::string reason;     // the others
+};
+
+std::string encodeJoin(const JoinRequest& join);
+// Throws ProtocolError on malformed or out-of-range input.
+JoinRequest decodeJoin(const std::string& json);
+std::string encodeAssignment(const Assignment& a);
+Assignment decodeAssignment(const std::string& json);
+
+class RoundState {
+ public:
+  std::vector<Event> join(AgentId agent, JoinRequest request, Clock::time_point now);
+  // The agent's connection closed (or it is gone for another reason).
+  std::vector<Event> leave(AgentId agent, const std::string& reason, Clock::time_point now);
+  void heartbeat(AgentId agent, Clock::time_point now);
+  // A member asks everyone to restart (e.g. one of its workers failed).
+  std::vector<Event> endRound(AgentId agent, const std::string& reason, Clock::time_point now);
+  // Final: everyone (members, waiters, later joiners) is told `reason`.
+  std::vector<Event> close(const std::string& reason);
+  // Last-call expiry, join timeouts, missed heartbeats.
+  std::vector<Event> tick(Clock::time_point now);
+  // When tick() next has something to do; nullopt when nothing is pending.
+  std::optional<Clock::time_point> nextDeadline() const;
+
+  int round() const { return round_; }
+  bool running() const { return !members_.empty(); }
+  bool closed() const { return closed_; }
+  std::size_t waitingCount() const { return waiting_.size(); }
+  std::size_t memberCount() const { return members_.size(); }
+
+ private:
+  struct Waiter {
+    JoinRequest request;
+    Clock::time_point joinedAt;
+    std::uint64_t order;
+  };
+  struct Member {
+    JoinRequest request;
+    Clock::time_point lastSeen;
+  };
+  std::vector<Event> endRunningRound(const std::string& reason);
+  std::vector<Event> tryComplete(Clock::time_point now, bool lastCallExpired);
+  void armLastCall(Clock::time_point now);
+
+  std::map<AgentId, Waiter> waiting_;
+  std::map<AgentId, Member> members_;
+  std::optional<Clock::time_point> lastCallAt_;
+  int round_ = -1;  // number of the last completed round
+  bool closed_ = false;
+  std::string closeReason_;
+  std::uint64_t joinOrder_ = 0;
+  // Parameters of the run, fixed by its first join.
+  std::optional<JoinRequest> params_;
+};
+
+}  // namespace fsdp::rendezvous

@@ -1,0 +1,195 @@
+#include "connection.hpp"
+
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include "fsdp/common/error.hpp"
+#include "fsdp/common/sha256.hpp"
+
+namespace fsdp::rendezvous::detail {
+namespace {
+
+// Waits until fd is ready for `events` or the deadline passes.
+void pollUntil(int fd, short events, const Deadline& deadline, const std::string& what,
+               const std::string& endpoint) {
+  for (;;) {
+    const auto left = deadline.remaining();
+    if (left.count() <= 0 && deadline.expired()) {
+      throw TimeoutError("store " + what + ": no progress before the deadline (server " +
+                         endpoint + ")");
+    }
+    pollfd pfd{fd, events, 0};
+    const int r = ::poll(&pfd, 1, static_cast<int>(std::min<long long>(left.count(), 1 << 30)));
+    if (r > 0) return;
+    if (r < 0 && errno != EINTR) {
+      throw NetworkError(errnoMessage("store " + what + ": poll", errno), endpoint);
+    }
+  }
+}
+
+void sendAll(int fd, const std::vector<std::uint8_t>& bytes, const Deadline& deadline,
+             const std::string& endpoint) {
+  std::size_t sent = 0;
+  while (sent < bytes.size()) {
+    const ssize_t n = ::send(fd, bytes.data() + sent, bytes.size() - sent, MSG_NOSIGNAL);
+    if (n > 0) {
+      sent += static_cast<std::size_t>(n);
+    } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      pollUntil(fd, POLLOUT, deadline, "send", endpoint);
+    } else if (n < 0 && errno != EINTR) {
+      throw NetworkError(errnoMessage("store send to " + endpoint, errno), endpoint);
+    }
+  }
+}
+
+void recvAll(int fd, std::uint8_t* out, std::size_t size, const Deadline& deadline,
+             const std::string& endpoint) {
+  std::size_t got = 0;
+  while (got < size) {
+    const ssize_t n = ::recv(fd, out + got, size - got, 0);
+    if (n > 0) {
+      got += static_cast<std::size_t>(n);
+    } else if (n == 0) {
+      throw NetworkError("store server " + endpoint + " closed the connection", endpoint);
+    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      pollUntil(fd, POLLIN, deadline, "receive", endpoint);
+    } else if (errno != EINTR) {
+      throw NetworkError(errnoMessage("store receive from " + endpoint, errno), endpoint);
+    }
+  }
+}
+
+// One non-blocking connect attempt to any address of host:port, bounded by `deadline`.
+// Returns the fd or -1 with `error` set.
+int tryConnect(const std::string& host, std::uint16_t port, const Deadline& deadline,
+               std::string& error) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* result = nullptr;
+  const int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &result);
+  if (rc != 0) {
+    error = std::string("cannot resolve host: ") + ::gai_strerror(rc);
+    return -1;
+  }
+  std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> list(result, ::freeaddrinfo);
+  for (addrinfo* ai = list.get(); ai != nullptr; ai = ai->ai_next) {
+    const int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+      error = errnoMessage("socket", errno);
+      continue;
+    }
+    if (::connect(fd, ai->ai_addr, ai->ai_addrlen) == 0 || errno == EINPROGRESS) {
+      pollfd pfd{fd, POLLOUT, 0};
+      const auto left = std::max<long long>(deadline.remaining().count(), 1);
+      if (::poll(&pfd, 1, static_cast<int>(std::min<long long>(left, 1 << 30))) == 1) {
+        int soError = 0;
+        socklen_t len = sizeof(soError);
+        ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &soError, &len);
+        if (soError == 0) {
+          const int one = 1;
+          ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+          return fd;
+        }
+        error = std::strerror(soError);
+      } else {
+        error = "connect timed out";
+      }
+    } else {
+      error = std::strerror(errno);
+    }
+    ::close(fd);
+  }
+  return -1;
+}
+
+}  // namespace
+
+Connection Connection::open(const ConnectParams& params) {
+  const std::string endpoint = params.host + ":" + std::to_string(params.port);
+  const auto start = Deadline::Clock::now();
+  const Deadline deadline = Deadline::after(params.connectTimeout);
+  std::mt19937 jitter(std::random_device{}());
+  std::chrono::milliseconds backoff(10);
+  std::string error;
+  int attempts = 0;
+  for (;;) {
+    ++attempts;
+    const int fd = tryConnect(params.host, params.port, deadline, error);
+    if (fd >= 0) {
+      Connection connection(fd, endpoint, params.limits);
+      connection.handshake(params, deadline.min(Deadline::after(std::chrono::seconds(30))));
+      return connection;
+    }
+    if (deadline.expired()) break;
+    // Exponential backoff with jitter, never past the deadline.
+    std::uniform_int_distribution<long long> spread(backoff.count() / 2, backoff.count());
+    const auto pause = std::min(std::chrono::milliseconds(spread(jitter)), deadline.remaining());
+    std::this_thread::sleep_for(pause);
+    backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
+  }
+  throw TimeoutError("cannot connect to store server " + endpoint + " after " +
+                     std::to_string(elapsedMs(start)) + " ms (" + std::to_string(attempts) +
+                     " attempts; last error: " + error + ")");
+}
+
+Connection::Connection(Connection&& other) noexcept
+    : fd_(other.fd_), endpoint_(std::move(other.endpoint_)), limits_(other.limits_) {
+  other.fd_ = -1;
+}
+
+Connection::~Connection() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void Connection::handshake(const ConnectParams& params, const Deadline& deadline) {
+  const std::string clientNonce = randomBytes(16);
+  const Response hello =
+      call({.op = Op::kHello, .keys = {params.runId}, .value = clientNonce}, deadline);
+  if (hello.number == 0) return;
+  if (params.token.empty()) {
+    throw ConfigError("store server " + endpoint_ + " requires a job token, and none was given "
+                      "(FSDPRUN_TOKEN_FILE or --rdzv_conf token_file=...)");
+  }
+  const auto mac = hmacSha256(params.token, authMessage(params.runId, clientNonce, hello.value));
+  call({.op = Op::kAuth, .value = std::string(reinterpret_cast<const char*>(mac.data()), mac.size())},
+       deadline);
+}
+
+void Connection::send(const std::vector<std::uint8_t>& bytes, const Deadline& deadline) {
+  sendAll(fd_, bytes, deadline, endpoint_);
+}
+
+std::pair<Header, std::vector<std::uint8_t>> Connection::receive(const Deadline& deadline) {
+  std::array<std::uint8_t, kHeaderSize> header{};
+  recvAll(fd_, header.data(), header.size(), deadline, endpoint_);
+  const Header h = decodeHeader(header, limits_);
+  std::vector<std::uint8_t> body(h.bodyLength);
+  recvAll(fd_, body.data(), body.size(), deadline, endpoint_);
+  return {h, std::move(body)};
+}
+
+Response Connection::call(const Request& request, const Deadline& deadline) {
+  send(encodeRequest(request), deadline);
+  auto [h, body] = receive(deadline);
+  if (h.op != request.op) {
+    throw ProtocolError("store server " + endpoint_ + " answered " + opName(h.op) + " to " +
+                        opName(request.op));
+  }
+  Response resp = decodeResponse(body, limits_);
+  if (resp.status == Status::kError) {
+    throw Error("store " + opName(request.op) + " failed on server " + endpoint_ + ": " + resp.value);
+  }
+  return resp;
+}
+
+}  // namespace fsdp::rendezvous::detail

@@ -1,0 +1,52 @@
+#pragma once
+// One TCP connection of our framed protocol, client side: connect with backoff, the
+// HELLO/AUTH handshake, and frame I/O bounded by deadlines. Private to the rendezvous part.
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "fsdp/common/deadline.hpp"
+#include "fsdp/rendezvous/protocol.hpp"
+
+namespace fsdp::rendezvous::detail {
+
+struct ConnectParams {
+  std::string host;
+  std::uint16_t port = 0;
+  std::chrono::milliseconds connectTimeout{30000};
+  std::string runId = "default";
+  std::string token;
+  Limits limits;
+};
+
+class Connection {
+ public:
+  // Connects (retrying with exponential backoff and jitter until connectTimeout) and
+  // authenticates. Throws TimeoutError naming the endpoint and the last error, Error when the
+  // server refuses the token.
+  static Connection open(const ConnectParams& params);
+  Connection(Connection&& other) noexcept;
+  Connection& operator=(Connection&&) = delete;
+  Connection(const Connection&) = delete;
+  ~Connection();
+
+  void send(const std::vector<std::uint8_t>& bytes, const Deadline& deadline);
+  // Reads one frame; TimeoutError when none completes before the deadline.
+  std::pair<Header, std::vector<std::uint8_t>> receive(const Deadline& deadline);
+  // Sends a request and reads its response, checking that the reply is for `op`.
+  Response call(const Request& request, const Deadline& deadline);
+  int fd() const { return fd_; }
+  const std::string& endpoint() const { return endpoint_; }
+
+ private:
+  Connection(int fd, std::string endpoint, Limits limits)
+      : fd_(fd), endpoint_(std::move(endpoint)), limits_(limits) {}
+  void handshake(const ConnectParams& params, const Deadline& deadline);
+  int fd_;
+  std::string endpoint_;
+  Limits limits_;
+};
+
+}  // namespace fsdp::rendezvous::detail

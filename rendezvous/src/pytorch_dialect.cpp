@@ -1,0 +1,322 @@
+// PyTorch's TCPStore protocol. Requests are an opcode byte and fields with 8-byte little-endian
+// lengths, no framing; replies carry no tag. WAIT answers asynchronously (one 0x00 when every
+// key exists), so a parked wait never blocks reading the connection.
+#include "pytorch_dialect.hpp"
+
+#include <memory>
+#include <optional>
+
+#include "fsdp/common/error.hpp"
+#include "fsdp/common/log.hpp"
+#include "session_io.hpp"
+
+namespace fsdp::rendezvous {
+
+namespace asio = boost::asio;
+using asio::awaitable;
+using asio::ip::tcp;
+
+namespace {
+
+constexpr std::uint32_t kValidateMagic = 0x3C85F7CE;
+
+// The operations, independent of a dialect's numbering.
+enum class PtOp {
+  kSet, kCompareSet, kGet, kAdd, kCheck, kWait, kNumKeys, kWatchKey, kDelete, kAppend,
+  kMultiGet, kMultiSet, kCancelWait, kPing, kQueuePush, kQueuePop, kQueueLen, kListKeys
+};
+
+std::optional<PtOp> legacyOp(std::uint8_t code) {
+  // 1.13 (0-8) and the 2.0-era additions (9-12) that kept its numbering.
+  static constexpr PtOp kTable[] = {PtOp::kSet,     PtOp::kCompareSet, PtOp::kGet,
+                                    PtOp::kAdd,     PtOp::kCheck,      PtOp::kWait,
+                                    PtOp::kNumKeys, PtOp::kWatchKey,   PtOp::kDelete,
+                                    PtOp::kAppend,  PtOp::kMultiGet,   PtOp::kMultiSet,
+                                    PtOp::kCancelWait};
+  if (code < std::size(kTable)) return kTable[code];
+  return std::nullopt;
+}
+
+std::optional<PtOp> currentOp(std::uint8_t code) {
+  static constexpr PtOp kTable[] = {PtOp::kSet,        PtOp::kCompareSet, PtOp::kGet,
+                                    PtOp::kAdd,        PtOp::kCheck,      PtOp::kWait,
+                                    PtOp::kNumKeys,    PtOp::kDelete,     PtOp::kAppend,
+                                    PtOp::kMultiGet,   PtOp::kMultiSet,   PtOp::kCancelWait,
+                                    PtOp::kPing,       PtOp::kQueuePush,  PtOp::kQueuePop,
+                                    PtOp::kQueueLen,   PtOp::kListKeys};
+  if (code >= 1 && code - 1 < static_cast<int>(std::size(kTable))) return kTable[code - 1];
+  return std::nullopt;
+}
+
+class Writer {
+ public:
+  void u8(std::uint8_t v) { out_.push_back(v); }
+  void u64(std::uint64_t v) {
+    for (int i = 0; i < 8; ++i) out_.push_back(static_cast<std::uint8_t>(v >> (8 * i)));
+  }
+  void str(const std::string& s) {
+    u64(s.size());
+    out_.insert(out_.end(), s.begin(), s.end());
+  }
+  std::vector<std::uint8_t> take() { return std::move(out_); }
+
+ private:
+  std::vector<std::uint8_t> out_;
+};
+
+// Reads the fields of one request off the socket, each bounded by the request's deadline.
+class FieldReader {
+ public:
+  FieldReader(tcp::socket& socket, const Limits& limits) : socket_(socket), limits_(limits) {}
+  void startRequest(SteadyTimePoint deadline) { deadline_ = deadline; }
+  // Bytes already consumed while telling the dialect apart, served before the socket.
+  void pushBack(std::vector<std::uint8_t> bytes) { pending_ = std::move(bytes); }
+
+  awaitable<void> bytes(std::uint8_t* out, std::size_t n) {
+    std::size_t taken = std::min(n, pending_.size());
+    std::copy_n(pending_.begin(), taken, out);
+    pending_.erase(pending_.begin(), pending_.begin() + static_cast<std::ptrdiff_t>(taken));
+    if (taken < n) co_await readExact(socket_, asio::buffer(out + taken, n - taken), deadline_, "a TCPStore request");
+  }
+  awaitable<std::uint64_t> u64() {
+    std::array<std::uint8_t, 8> b{};
+    co_await bytes(b.data(), b.size());
+    std::uint64_t v = 0;
+    for (int i = 0; i < 8; ++i) v |= std::uint64_t{b[i]} << (8 * i);
+    co_return v;
+  }
+  awaitable<std::uint32_t> u32() {
+    std::array<std::uint8_t, 4> b{};
+    co_await bytes(b.data(), b.size());
+    co_return std::uint32_t{b[0]} | std::uint32_t{b[1]} << 8 | std::uint32_t{b[2]} << 16 |
+        std::uint32_t{b[3]} << 24;
+  }
+  awaitable<std::string> str(std::uint64_t maxBytes, const char* what) {
+    const auto n = co_await u64();
+    if (n > maxBytes) {
+      throw ProtocolError(std::string("TCPStore ") + what + " of " + std::to_string(n) +
+                          " bytes exceeds the limit of " + std::to_string(maxBytes));
+    }
+    std::string s(n, '\0');
+    co_await bytes(reinterpret_cast<std::uint8_t*>(s.data()), n);
+    co_return s;
+  }
+  awaitable<std::string> key() { co_return co_await str(limits_.maxKeyBytes, "key"); }
+  awaitable<std::string> value() { co_return co_await str(limits_.maxValueBytes, "value"); }
+  awaitable<std::vector<std::string>> keys() {
+    const auto n = co_await u64();
+    if (n > limits_.maxKeysPerRequest) {
+      throw ProtocolError("TCPStore request with " + std::to_string(n) +
+                          " keys exceeds the limit of " + std::to_string(limits_.maxKeysPerRequest));
+    }
+    std::vector<std::string> out;
+    for (std::uint64_t i = 0; i < n; ++i) out.push_back(co_await key());
+    co_return out;
+  }
+
+ private:
+  tcp::socket& socket_;
+  const Limits& limits_;
+  SteadyTimePoint deadline_{};
+  std::vector<std::uint8_t> pending_;
+};
+
+// The connection's one outstanding WAIT, answered from the event loop when its keys exist.
+struct PendingWait {
+  std::vector<std::string> keys;
+  KvStore::WatchId watch = 0;
+};
+
+struct ConnectionState {
+  KvStore& store;
+  std::function<void(std::vector<std::uint8_t>)> send;
+  std::optional<PendingWait> wait;
+  bool alive = true;
+};
+
+void cancelWait(ConnectionState& state) {
+  if (state.wait) {
+    state.store.unwatch(state.wait->watch);
+    state.wait.reset();
+  }
+}
+
+// Watches the pending wait's keys; when one is written, re-checks from the event loop (a
+// watch callback must not touch the store) and answers or watches again.
+void armWait(const std::shared_ptr<ConnectionState>& state, const asio::any_io_executor& executor) {
+  std::weak_ptr<ConnectionState> weak = state;
+  state->wait->watch = state->store.watch(state->wait->keys, [weak, executor] {
+    asio::post(executor, [weak, executor] {
+      const auto s = weak.lock();
+      if (!s || !s->alive || !s->wait) return;
+      if (s->store.containsAll(s->wait->keys)) {
+        s->wait.reset();
+        s->send({0x00});  // STOP_WAITING
+      } else {
+        armWait(s, executor);
+      }
+    });
+  });
+}
+
+void checkRunBytes(const KvStore& store, const Limits& limits, std::uint64_t adding) {
+  if (store.bytesHeld() + adding > limits.maxRunBytes) {
+    throw ProtocolError("TCPStore client would make the run hold " +
+                        std::to_string(store.bytesHeld() + adding) + " bytes, over the limit of " +
+                        std::to_string(limits.maxRunBytes));
+  }
+}
+
+}  // namespace
+
+awaitable<void> servePytorchDialect(tcp::socket& socket, std::uint8_t first, KvStore& store,
+                                    const Limits& limits, std::chrono::milliseconds frameTimeout,
+                                    const std::function<bool()>& closed,
+                                    const std::function<void(std::vector<std::uint8_t>)>& send) {
+  FieldReader in(socket, limits);
+  auto state = std::make_shared<ConnectionState>(ConnectionState{store, send, std::nullopt, true});
+  struct Finish {
+    std::shared_ptr<ConnectionState>& state;
+    ~Finish() {
+      state->alive = false;
+      cancelWait(*state);
+    }
+  } finish{state};
+  const auto executor = socket.get_executor();
+
+  // Tell the dialects apart: VALIDATE (00 CE F7 85 3C) starts the current one; anything else
+  // is 1.13's, whose 00 is SET (a key length of ~1 GiB would be needed to look like VALIDATE).
+  bool current = false;
+  std::optional<std::uint8_t> opcode = first;
+  if (first == 0) {
+    in.startRequest(SteadyTimePoint::clock::now() + frameTimeout);
+    std::vector<std::uint8_t> next(4);
+    co_await in.bytes(next.data(), next.size());
+    const std::uint32_t magic = std::uint32_t{next[0]} | std::uint32_t{next[1]} << 8 |
+                                std::uint32_t{next[2]} << 16 | std::uint32_t{next[3]} << 24;
+    if (magic == kValidateMagic) {
+      current = true;
+      opcode.reset();
+    } else {
+      in.pushBack(std::move(next));
+    }
+  }
+
+  for (;;) {
+    std::uint8_t code = 0;
+    if (opcode) {
+      code = *opcode;
+      opcode.reset();
+    } else {
+      co_await asio::async_read(socket, asio::buffer(&code, 1), asio::use_awaitable);
+    }
+    if (closed()) co_return;
+    in.startRequest(SteadyTimePoint::clock::now() + frameTimeout);
+    const auto op = current ? currentOp(code) : legacyOp(code);
+    if (!op) {
+      throw ProtocolError("unknown TCPStore opcode " + std::to_string(code) + " (" +
+                          (current ? "current" : "1.13") + " dialect)");
+    }
+    // A 1.13 client that timed out in WAIT sends its next request without cancelling: drop
+    // the stale wait rather than answer it later and desynchronise the client.
+    if (*op != PtOp::kCancelWait && state->wait) cancelWait(*state);
+    Writer out;
+    switch (*op) {
+      case PtOp::kSet: {
+        auto key = co_await in.key();
+        auto value = co_await in.value();
+        checkRunBytes(store, limits, key.size() + value.size());
+        store.set(key, std::move(value));
+        break;  // no reply
+      }
+      case PtOp::kCompareSet: {
+        auto key = co_await in.key();
+        auto expected = co_await in.value();
+        auto desired = co_await in.value();
+        checkRunBytes(store, limits, key.size() + desired.size());
+        out.str(store.compareSet(key, expected, std::move(desired)));
+        break;
+      }
+      case PtOp::kGet: {
+        const auto key = co_await in.key();
+        const auto value = store.get(key);
+        if (!value) throw ProtocolError("TCPStore GET of missing key '" + key + "'");
+        out.str(*value);
+        break;
+      }
+      case PtOp::kAdd: {
+        const auto key = co_await in.key();
+        const auto delta = static_cast<std::int64_t>(co_await in.u64());
+        out.u64(static_cast<std::uint64_t>(store.add(key, delta)));
+        break;
+      }
+      case PtOp::kCheck: out.u8(store.containsAll(co_await in.keys()) ? 0 : 1); break;
+      case PtOp::kWait: {
+        auto keys = co_await in.keys();
+        if (store.containsAll(keys)) {
+          out.u8(0);
+        } else {
+          state->wait = PendingWait{std::move(keys), 0};
+          armWait(state, executor);
+        }
+        break;
+      }
+      case PtOp::kNumKeys: out.u64(store.size()); break;
+      case PtOp::kDelete: out.u64(store.remove(co_await in.key()) ? 1 : 0); break;
+      case PtOp::kAppend: {
+        const auto key = co_await in.key();
+        const auto suffix = co_await in.value();
+        checkRunBytes(store, limits, key.size() + suffix.size());
+        store.append(key, suffix);
+        break;  // no reply
+      }
+      case PtOp::kMultiGet: {
+        const auto keys = co_await in.keys();
+        for (const auto& key : keys) {
+          const auto value = store.get(key);
+          if (!value) throw ProtocolError("TCPStore MULTI_GET of missing key '" + key + "'");
+          out.str(*value);
+        }
+        break;
+      }
+      case PtOp::kMultiSet: {
+        const auto n = co_await in.u64();
+        if (n > limits.maxKeysPerRequest) {
+          throw ProtocolError("TCPStore MULTI_SET of " + std::to_string(n) + " pairs exceeds the limit");
+        }
+        for (std::uint64_t i = 0; i < n; ++i) {
+          auto key = co_await in.key();
+          auto value = co_await in.value();
+          checkRunBytes(store, limits, key.size() + value.size());
+          store.set(key, std::move(value));
+        }
+        break;  // no reply
+      }
+      case PtOp::kCancelWait:
+        cancelWait(*state);
+        out.u8(1);  // WAIT_CANCELED
+        break;
+      case PtOp::kPing: {
+        const auto nonce = co_await in.u32();
+        for (int i = 0; i < 4; ++i) out.u8(static_cast<std::uint8_t>(nonce >> (8 * i)));
+        break;
+      }
+      case PtOp::kListKeys: {
+        const auto keys = store.keys();
+        out.u64(keys.size());
+        for (const auto& key : keys) out.str(key);
+        break;
+      }
+      case PtOp::kWatchKey:
+      case PtOp::kQueuePush:
+      case PtOp::kQueuePop:
+      case PtOp::kQueueLen:
+        throw ProtocolError("TCPStore opcode " + std::to_string(code) +
+                            " (watch_key / queues) is not supported by this server");
+    }
+    auto reply = out.take();
+    if (!reply.empty()) send(std::move(reply));
+  }
+}
+
+}  // namespace fsdp::rendezvous

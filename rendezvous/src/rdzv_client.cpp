@@ -1,0 +1,95 @@
+#include "fsdp/rendezvous/rdzv_client.hpp"
+
+#include <poll.h>
+
+#include "connection.hpp"
+
+namespace fsdp::rendezvous {
+
+std::unique_ptr<RendezvousClient> RendezvousClient::connect(const std::string& host,
+                                                            std::uint16_t port,
+                                                            const ClientOptions& options) {
+  auto connection = detail::Connection::open({.host = host,
+                                              .port = port,
+                                              .connectTimeout = options.connectTimeout,
+                                              .runId = options.runId,
+                                              .token = options.token,
+                                              .limits = options.limits});
+  return std::unique_ptr<RendezvousClient>(
+      new RendezvousClient(std::make_unique<detail::Connection>(std::move(connection))));
+}
+
+RendezvousClient::RendezvousClient(std::unique_ptr<detail::Connection> connection)
+    : connection_(std::move(connection)) {}
+
+RendezvousClient::~RendezvousClient() = default;
+
+int RendezvousClient::fd() const { return connection_->fd(); }
+
+const std::string& RendezvousClient::endpoint() const { return connection_->endpoint(); }
+
+Assignment RendezvousClient::join(const JoinRequest& request, std::chrono::milliseconds timeout) {
+  const auto start = Deadline::Clock::now();
+  const Deadline deadline = Deadline::after(timeout);
+  connection_->send(encodeRequest({.op = Op::kJoin, .value = encodeJoin(request)}), deadline);
+  for (;;) {
+    std::optional<RendezvousEvent> event;
+    try {
+      event = nextEvent(deadline.remaining());
+    } catch (const TimeoutError&) {
+      event.reset();
+    }
+    if (!event) {
+      throw TimeoutError("rendezvous: node " + request.node + " got no assignment from " +
+                         endpoint() + " after " + std::to_string(elapsedMs(start)) + " ms (needs " +
+                         std::to_string(request.minNodes) + " to " + std::to_string(request.maxNodes) +
+                         " nodes)");
+    }
+    switch (event->kind) {
+      case EventKind::kAssigned: return event->assignment;
+      case EventKind::kRunClosed: throw RunClosedError("rendezvous: run closed: " + event->reason);
+      case EventKind::kJoinFailed:
+      case EventKind::kDisconnect:
+        throw Error("rendezvous: server " + endpoint() + " refused node " + request.node + ": " +
+                    event->reason);
+      case EventKind::kRoundEnded: break;  // a stale notice from the previous round
+    }
+  }
+}
+
+void RendezvousClient::heartbeat() {
+  connection_->send(encodeRequest({.op = Op::kHeartbeat}), Deadline::after(std::chrono::seconds(10)));
+}
+
+void RendezvousClient::endRound(const std::string& reason) {
+  connection_->send(encodeRequest({.op = Op::kEndRound, .value = reason}),
+                    Deadline::after(std::chrono::seconds(10)));
+}
+
+void RendezvousClient::closeRun(const std::string& reason) {
+  connection_->send(encodeRequest({.op = Op::kCloseRun, .value = reason}),
+                    Deadline::after(std::chrono::seconds(10)));
+}
+
+std::optional<RendezvousEvent> RendezvousClient::nextEvent(std::chrono::milliseconds timeout) {
+  pollfd pfd{connection_->fd(), POLLIN, 0};
+  const int r = ::poll(&pfd, 1, static_cast<int>(std::min<long long>(timeout.count(), 1 << 30)));
+  if (r == 0) return std::nullopt;
+  if (r < 0 && errno == EINTR) return std::nullopt;
+  auto [header, body] = connection_->receive(Deadline::after(std::chrono::seconds(30)));
+  if (header.op != Op::kEvent) {
+    throw ProtocolError("rendezvous: server " + endpoint() + " sent " + opName(header.op) +
+                        " where an EVENT was expected");
+  }
+  const Response resp = decodeResponse(body, Limits{});
+  RendezvousEvent event;
+  event.kind = static_cast<EventKind>(resp.number);
+  if (event.kind == EventKind::kAssigned) {
+    event.assignment = decodeAssignment(resp.value);
+  } else {
+    event.reason = resp.value;
+  }
+  return event;
+}
+
+}  // namespace fsdp::rendezvous

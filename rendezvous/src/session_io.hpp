@@ -1,0 +1,18 @@
+#pragma once
+// Socket helpers shared by the server's protocol handlers (private to the rendezvous part).
+
+#include <boost/asio.hpp>
+
+namespace fsdp::rendezvous {
+
+using SteadyTimePoint = boost::asio::steady_timer::clock_type::time_point;
+
+// Reads exactly buffer.size() bytes. What the kernel already holds is taken at once (no timer
+// on the hot path); the rest must arrive before `deadline`, else TimeoutError naming `what`.
+// Socket errors (EOF included) throw boost::system::system_error. The socket must be in
+// non-blocking mode.
+boost::asio::awaitable<void> readExact(boost::asio::ip::tcp::socket& socket,
+                                       boost::asio::mutable_buffer buffer,
+                                       SteadyTimePoint deadline, const char* what);
+
+}  // namespace fsdp::rendezvous

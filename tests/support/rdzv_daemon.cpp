@@ -1,0 +1,43 @@
+#include "rdzv_daemon.hpp"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <unistd.h>
+
+#include <cerrno>
+
+#include "fsdp/common/error.hpp"
+
+namespace fsdp::testing {
+
+RdzvDaemon::RdzvDaemon(const std::vector<std::string>& args) {
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC) != 0) throwErrno("pipe2", errno);
+  SpawnOptions options{.argv = {std::string(FSDP_BIN_DIR) + "/fsdprun-rdzv", "--port", "0"},
+                       .env = currentEnvironment()};
+  options.argv.insert(options.argv.end(), args.begin(), args.end());
+  options.stdoutFd = fds[1];
+  process_.emplace(ChildProcess::spawn(options));
+  ::close(fds[1]);
+  // Read "fsdprun-rdzv: listening on HOST:PORT ..." within 10 s.
+  std::string line;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (line.find('\n') == std::string::npos) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    pollfd pfd{fds[0], POLLIN, 0};
+    if (left.count() <= 0 || ::poll(&pfd, 1, static_cast<int>(left.count())) <= 0) break;
+    char buf[256];
+    const ssize_t n = ::read(fds[0], buf, sizeof(buf));
+    if (n <= 0) break;
+    line.append(buf, static_cast<std::size_t>(n));
+  }
+  ::close(fds[0]);
+  const auto colon = line.rfind(':', line.find(" ("));
+  if (line.find("listening on") == std::string::npos || colon == std::string::npos) {
+    throw Error("fsdprun-rdzv did not report its port; it printed: '" + line + "'");
+  }
+  port_ = static_cast<std::uint16_t>(std::stoi(line.substr(colon + 1)));
+}
+
+}  // namespace fsdp::testing
