@@ -275,10 +275,11 @@ int main(int argc, char** argv) {
   try {
     return run(flags);
   } catch (const fsdp::ConfigError& e) {
-    std::cerr << "mnist: error: " << e.what() << std::endl;
+    // One write per line: several ranks share this stderr.
+    std::cerr << "mnist: error: " + std::string(e.what()) + "\n" << std::flush;
     return 2;
   } catch (const std::exception& e) {
-    std::cerr << "mnist: error: " << e.what() << std::endl;
+    std::cerr << "mnist: error: " + std::string(e.what()) + "\n" << std::flush;
     return 1;
   }
 }

@@ -51,16 +51,17 @@ int main(int argc, char** argv) {
     warnAboutReferenceBlas();
     const auto result = fsdp::launcher::runStandalone(options, command);
     if (result.exitCode == 1 && result.firstFailure) {
-      std::cerr << "fsdprun: error: worker " << fsdp::launcher::describeFailure(*result.firstFailure)
-                << "; " << result.restarts << " restart(s) of " << options.maxRestarts
-                << " used\n";
+      std::cerr << "fsdprun: error: worker " + fsdp::launcher::describeFailure(*result.firstFailure) +
+                       "; " + std::to_string(result.restarts) + " restart(s) of " +
+                       std::to_string(options.maxRestarts) + " used\n"
+                << std::flush;
     }
     return result.exitCode;
   } catch (const fsdp::ConfigError& e) {
-    std::cerr << "fsdprun: error: " << e.what() << '\n';
+    std::cerr << "fsdprun: error: " + std::string(e.what()) + "\n" << std::flush;
     return 2;
   } catch (const std::exception& e) {
-    std::cerr << "fsdprun: error: " << e.what() << '\n';
+    std::cerr << "fsdprun: error: " + std::string(e.what()) + "\n" << std::flush;
     return 1;
   }
 }
