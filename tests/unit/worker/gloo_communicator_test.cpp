@@ -28,6 +28,9 @@ void runRanks(int world, const std::string& prefix,
       auto comm = createGlooCommunicator(
           *store, {.rank = r, .size = world, .storePrefix = prefix, .timeout = 30s});
       body(*comm);
+      // Gloo's halving-doubling reduce-scatter can leave a peer's last notification unread;
+      // closing the pairs then resets connections a slower rank still reads from.
+      comm->barrier().wait();
     }));
   }
   for (auto& f : ranks) f.get();  // rethrows a rank's failure
