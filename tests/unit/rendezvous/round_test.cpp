@@ -1,0 +1,197 @@
+// RoundState driven by a fake clock: the rendezvous semantics without sockets.
+#include "fsdp/rendezvous/round.hpp"
+
+#include <gtest/gtest.h>
+
+#include "fsdp/common/error.hpp"
+
+namespace fsdp::rendezvous {
+namespace {
+
+using namespace std::chrono_literals;
+
+JoinRequest req(const std::string& node, int minNodes, int maxNodes, int local = 1, int preferred = -1) {
+  JoinRequest r;
+  r.node = node;
+  r.address = node + ".addr";
+  r.localWorldSize = local;
+  r.preferredRank = preferred;
+  r.masterPort = 1000;
+  r.minNodes = minNodes;
+  r.maxNodes = maxNodes;
+  r.lastCallTimeout = 500ms;
+  r.heartbeatTimeout = 2s;
+  r.joinTimeout = 10s;
+  return r;
+}
+
+std::map<AgentId, Assignment> assigned(const std::vector<Event>& events) {
+  std::map<AgentId, Assignment> out;
+  for (const auto& e : events) {
+    if (e.kind == EventKind::kAssigned) out[e.agent] = e.assignment;
+  }
+  return out;
+}
+
+int count(const std::vector<Event>& events, EventKind kind) {
+  return static_cast<int>(std::count_if(events.begin(), events.end(), [kind](const Event& e) { return e.kind == kind; }));
+}
+
+TEST(Rounds, CompleteAtMaxNodesAtOnceWithDeterministicRanks) {
+  RoundState s;
+  const auto t = Clock::now();
+  EXPECT_TRUE(s.join(1, req("node-c", 3, 3, 2), t).empty());
+  EXPECT_TRUE(s.join(2, req("node-a", 3, 3, 1), t).empty());
+  const auto a = assigned(s.join(3, req("node-b", 3, 3, 4), t));
+  ASSERT_EQ(a.size(), 3u);
+  // Sorted by node name: a, b, c; offsets are prefix sums of local world sizes.
+  EXPECT_EQ(a.at(2).nodeRank, 0);
+  EXPECT_EQ(a.at(3).nodeRank, 1);
+  EXPECT_EQ(a.at(1).nodeRank, 2);
+  EXPECT_EQ(a.at(2).rankOffset, 0);
+  EXPECT_EQ(a.at(3).rankOffset, 1);
+  EXPECT_EQ(a.at(1).rankOffset, 5);
+  EXPECT_EQ(a.at(1).worldSize, 7);
+  EXPECT_EQ(a.at(1).nnodes, 3);
+  EXPECT_EQ(a.at(1).masterAddr, "node-a.addr");
+  EXPECT_EQ(a.at(1).round, 0);
+}
+
+TEST(Rounds, PreferredRanksComeFirst) {
+  RoundState s;
+  const auto t = Clock::now();
+  s.join(1, req("a", 3, 3, 1, -1), t);
+  s.join(2, req("b", 3, 3, 1, 1), t);
+  const auto a = assigned(s.join(3, req("c", 3, 3, 1, 0), t));
+  EXPECT_EQ(a.at(3).nodeRank, 0);
+  EXPECT_EQ(a.at(2).nodeRank, 1);
+  EXPECT_EQ(a.at(1).nodeRank, 2);
+}
+
+TEST(Rounds, MinNodesCompleteAfterTheLastCallWait) {
+  RoundState s;
+  const auto t = Clock::now();
+  s.join(1, req("a", 2, 4), t);
+  EXPECT_TRUE(s.join(2, req("b", 2, 4), t).empty());
+  ASSERT_TRUE(s.nextDeadline());
+  EXPECT_EQ(*s.nextDeadline(), t + 500ms);
+  EXPECT_TRUE(s.tick(t + 499ms).empty());
+  const auto a = assigned(s.tick(t + 500ms));
+  EXPECT_EQ(a.size(), 2u);
+  EXPECT_EQ(a.begin()->second.worldSize, 2);
+}
+
+TEST(Rounds, ALateJoinerEndsTheRunningRoundBelowMax) {
+  RoundState s;
+  const auto t = Clock::now();
+  s.join(1, req("a", 1, 3), t);
+  assigned(s.tick(t + 1s));
+  ASSERT_TRUE(s.running());
+  const auto events = s.join(2, req("b", 1, 3), t + 2s);
+  EXPECT_EQ(count(events, EventKind::kRoundEnded), 1);
+  EXPECT_NE(events.front().reason.find("node b joined"), std::string::npos);
+  EXPECT_FALSE(s.running());
+  // The old member re-joins; the next round has both.
+  s.join(1, req("a", 1, 3), t + 2s);
+  const auto a = assigned(s.tick(t + 3s));
+  EXPECT_EQ(a.size(), 2u);
+  EXPECT_EQ(a.begin()->second.round, 1);
+}
+
+TEST(Rounds, AJoinerAtMaxWaitsOnStandby) {
+  RoundState s;
+  const auto t = Clock::now();
+  s.join(1, req("a", 1, 1), t);
+  ASSERT_TRUE(s.running());
+  EXPECT_TRUE(s.join(2, req("b", 1, 1), t).empty());
+  // When the member leaves, the standby node forms the next round.
+  const auto events = s.leave(1, "connection closed", t + 1s);
+  const auto a = assigned(events);
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_EQ(a.begin()->first, 2u);
+}
+
+TEST(Rounds, ALeavingMemberEndsTheRoundForEveryoneWithTheReason) {
+  RoundState s;
+  const auto t = Clock::now();
+  s.join(1, req("a", 2, 2), t);
+  s.join(2, req("b", 2, 2), t);
+  const auto events = s.leave(1, "connection closed", t);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].agent, 2u);
+  EXPECT_EQ(events[0].kind, EventKind::kRoundEnded);
+  EXPECT_EQ(events[0].reason, "node a left: connection closed");
+}
+
+TEST(Rounds, MissedHeartbeatsDisconnectTheSilentMember) {
+  RoundState s;
+  const auto t = Clock::now();
+  s.join(1, req("a", 2, 2), t);
+  s.join(2, req("b", 2, 2), t);
+  s.heartbeat(2, t + 1500ms);
+  EXPECT_TRUE(s.tick(t + 1999ms).empty());
+  const auto events = s.tick(t + 2s);
+  EXPECT_EQ(count(events, EventKind::kDisconnect), 1);
+  EXPECT_EQ(count(events, EventKind::kRoundEnded), 1);
+  const auto ended = std::find_if(events.begin(), events.end(), [](const Event& e) { return e.kind == EventKind::kRoundEnded; });
+  EXPECT_EQ(ended->agent, 2u);
+  EXPECT_NE(ended->reason.find("no heartbeat for 2000 ms"), std::string::npos);
+}
+
+TEST(Rounds, RestartRequestEndsTheRoundForAllMembers) {
+  RoundState s;
+  const auto t = Clock::now();
+  s.join(1, req("a", 2, 2), t);
+  s.join(2, req("b", 2, 2), t);
+  const auto events = s.endRound(2, "worker rank 3 exited with code 1", t);
+  EXPECT_EQ(count(events, EventKind::kRoundEnded), 2);
+}
+
+TEST(Rounds, CloseIsFinalForMembersWaitersAndLaterJoiners) {
+  RoundState s;
+  const auto t = Clock::now();
+  s.join(1, req("a", 2, 2), t);
+  const auto events = s.close("job finished");
+  EXPECT_EQ(count(events, EventKind::kRunClosed), 1);
+  const auto later = s.join(2, req("b", 2, 2), t);
+  ASSERT_EQ(later.size(), 1u);
+  EXPECT_EQ(later[0].kind, EventKind::kRunClosed);
+  EXPECT_EQ(later[0].reason, "job finished");
+}
+
+TEST(Rounds, JoinTimeoutSaysHowManyNodesCame) {
+  RoundState s;
+  const auto t = Clock::now();
+  s.join(1, req("a", 3, 3), t);
+  const auto events = s.tick(t + 10s);
+  ASSERT_EQ(count(events, EventKind::kJoinFailed), 1);
+  EXPECT_NE(events[0].reason.find("1 of 3"), std::string::npos) << events[0].reason;
+}
+
+TEST(Rounds, MismatchedNodeCountsAreRefused) {
+  RoundState s;
+  const auto t = Clock::now();
+  s.join(1, req("a", 2, 2), t);
+  const auto events = s.join(2, req("b", 3, 3), t);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].kind, EventKind::kJoinFailed);
+}
+
+TEST(Rounds, JoinAndAssignmentRoundTripThroughJson) {
+  const auto r = req("n", 1, 4, 8, 2);
+  const auto back = decodeJoin(encodeJoin(r));
+  EXPECT_EQ(back.node, "n");
+  EXPECT_EQ(back.localWorldSize, 8);
+  EXPECT_EQ(back.preferredRank, 2);
+  EXPECT_EQ(back.lastCallTimeout, 500ms);
+  EXPECT_THROW(decodeJoin("{}"), ProtocolError);
+  EXPECT_THROW(decodeJoin("not json"), ProtocolError);
+  auto bad = r;
+  bad.localWorldSize = 0;
+  EXPECT_THROW(decodeJoin(encodeJoin(bad)), ProtocolError);
+  const Assignment a{3, 1, 8, 16, 2, "h", 29500};
+  EXPECT_EQ(decodeAssignment(encodeAssignment(a)).rankOffset, 8);
+}
+
+}  // namespace
+}  // namespace fsdp::rendezvous
