@@ -7,7 +7,10 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <fcntl.h>
+
 #include <cerrno>
+#include <filesystem>
 #include <cstdio>
 #include <map>
 #include <sstream>
@@ -16,6 +19,7 @@
 #include "fsdp/common/error.hpp"
 #include "fsdp/common/log.hpp"
 #include "fsdp/common/process.hpp"
+#include "fsdp/common/sha256.hpp"
 #include "fsdp/rendezvous/store_server.hpp"
 
 namespace fsdp::launcher {
@@ -77,6 +81,36 @@ int freePort() {
   return ntohs(addr.sin_port);
 }
 
+// The job token, in a file only this user can read, removed with the object. Workers get the
+// path (FSDPRUN_TOKEN_FILE), never the token in their environment or command line.
+class TokenFile {
+ public:
+  TokenFile() : token_(toHex(randomBytes(32))) {
+    std::string dir = (std::filesystem::temp_directory_path() / "fsdprun-XXXXXX").string();
+    if (::mkdtemp(dir.data()) == nullptr) throwErrno("mkdtemp for the job token", errno);
+    dir_ = dir;
+    path_ = dir_ + "/token";
+    const int fd = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0) throwErrno("creating " + path_, errno);
+    const bool ok = ::write(fd, token_.data(), token_.size()) == static_cast<ssize_t>(token_.size());
+    ::close(fd);
+    if (!ok) throwErrno("writing " + path_, errno);
+  }
+  ~TokenFile() {
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+  TokenFile(const TokenFile&) = delete;
+  TokenFile& operator=(const TokenFile&) = delete;
+  const std::string& token() const { return token_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string token_;
+  std::string dir_;
+  std::string path_;
+};
+
 struct Worker {
   WorkerIdentity id;
   ChildProcess process;
@@ -89,7 +123,8 @@ enum class GroupOutcome { kSucceeded, kFailed, kSignalled };
 
 std::vector<std::string> workerEnvironment(const LaunchOptions& options, const WorkerIdentity& id,
                                            const std::string& storeHost, int storePort,
-                                           int masterPort, std::vector<std::string> base) {
+                                           int masterPort, std::vector<std::string> base,
+                                           const std::string& tokenFile) {
   std::map<std::string, std::string> set = {
       {"RANK", std::to_string(id.rank)},
       {"LOCAL_RANK", std::to_string(id.localRank)},
@@ -111,6 +146,7 @@ std::vector<std::string> workerEnvironment(const LaunchOptions& options, const W
       {"FSDPRUN_ROUND", std::to_string(id.round)},
       {"FSDPRUN_LOCAL_ADDR", storeHost},
   };
+  if (!tokenFile.empty()) set["FSDPRUN_TOKEN_FILE"] = tokenFile;
   std::vector<std::string> env;
   bool haveOmp = false;
   for (auto& entry : base) {
@@ -135,7 +171,9 @@ std::string describeFailure(const Failure& f) {
 
 AgentResult runStandalone(const LaunchOptions& options, const std::vector<std::string>& command) {
   SignalFd signals;  // before any thread starts, so that every thread inherits the mask
-  rendezvous::StoreServer store(rendezvous::ServerOptions{.host = "127.0.0.1", .port = 0});
+  const TokenFile token;
+  rendezvous::StoreServer store(
+      rendezvous::ServerOptions{.host = "127.0.0.1", .port = 0, .token = token.token()});
   const int masterPort = options.masterPort.value_or(freePort());
   const auto baseEnv = currentEnvironment();
   log::debug("store on 127.0.0.1:{}, {} worker(s), MASTER_PORT {}", store.port(),
@@ -156,7 +194,7 @@ AgentResult runStandalone(const LaunchOptions& options, const std::vector<std::s
                         .round = attempt};
       SpawnOptions spawn{.argv = command,
                          .env = workerEnvironment(options, id, "127.0.0.1", store.port(),
-                                                  masterPort, baseEnv)};
+                                                  masterPort, baseEnv, token.path())};
       workers.push_back(Worker{id, ChildProcess::spawn(spawn), Deadline::Clock::now()});
     }
 

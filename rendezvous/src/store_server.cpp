@@ -377,7 +377,6 @@ Run& StoreServer::Impl::bindRun(const std::string& id) {
     slot->id = id;
     slot->tick = std::make_unique<asio::steady_timer>(io);
     slot->tick->expires_at(TimePoint::max());
-    ++stats.runs;
     asio::co_spawn(io, tickRun(slot.get()), [](std::exception_ptr e) {
       if (!e) return;
       try {
@@ -535,7 +534,11 @@ void StoreServer::stop() {
 ServerStats StoreServer::stats() const {
   if (!impl_->thread.joinable()) return impl_->stats;
   std::promise<ServerStats> result;
-  asio::post(impl_->io, [&] { result.set_value(impl_->stats); });
+  asio::post(impl_->io, [&] {
+    ServerStats snapshot = impl_->stats;
+    snapshot.runs = impl_->runs.size();
+    result.set_value(snapshot);
+  });
   return result.get_future().get();
 }
 

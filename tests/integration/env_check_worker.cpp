@@ -7,6 +7,7 @@
 //        --fail_once_rank R              rank R exits 1 on restart 0 only
 //        --pid_dir D                     write D/<rank>.pid, then sleep (signal tests)
 //        --sleep S                       sleep S seconds before exiting
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <ATen/Functions.h>
@@ -129,6 +130,10 @@ int main(int argc, char** argv) {
   expect(!var("TORCHELASTIC_MAX_RESTARTS").empty(), "TORCHELASTIC_MAX_RESTARTS empty");
   expect(var("OMP_NUM_THREADS") == "1", "OMP_NUM_THREADS=" + var("OMP_NUM_THREADS"));
   expect(!var("FSDPRUN_STORE_ADDR").empty() && !var("FSDPRUN_STORE_PORT").empty(), "store endpoint");
+  const std::string tokenFile = var("FSDPRUN_TOKEN_FILE");
+  struct stat st {};
+  expect(::stat(tokenFile.c_str(), &st) == 0 && (st.st_mode & 0077) == 0,
+         "FSDPRUN_TOKEN_FILE must exist and be private to the user");
   if (failures > 0) return 10;
 
   if (rank == failRank) return exitCode;

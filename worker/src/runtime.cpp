@@ -1,5 +1,7 @@
 #include "fsdp/worker/runtime.hpp"
 
+#include <fstream>
+
 #include "fsdp/common/error.hpp"
 #include "fsdp/common/log.hpp"
 #include "fsdp/worker/gloo_communicator.hpp"
@@ -25,6 +27,7 @@ WorkerEnv WorkerEnv::fromEnvironment(const EnvLookup& env) {
   w.storeHost = requireEnv(env, "FSDPRUN_STORE_ADDR");
   w.storePort = intVar("FSDPRUN_STORE_PORT");
   w.localAddress = env("FSDPRUN_LOCAL_ADDR").value_or(w.storeHost);
+  w.tokenFile = env("FSDPRUN_TOKEN_FILE").value_or("");
   if (w.worldSize < 1) throw ConfigError("WORLD_SIZE=" + std::to_string(w.worldSize) + ": expected >= 1");
   if (w.rank < 0 || w.rank >= w.worldSize) {
     throw ConfigError("RANK=" + std::to_string(w.rank) + " is outside WORLD_SIZE=" +
@@ -50,9 +53,17 @@ Runtime::~Runtime() { comm_.reset(); }
 std::unique_ptr<Runtime> init(const InitOptions& options) {
   WorkerEnv env = WorkerEnv::fromEnvironment(processEnv());
   log::setup({.role = "worker", .rank = env.rank, .defaultLevel = spdlog::level::warn});
+  std::string token;
+  if (!env.tokenFile.empty()) {
+    std::ifstream in(env.tokenFile);
+    if (!in || !std::getline(in, token) || token.empty()) {
+      throw ConfigError("FSDPRUN_TOKEN_FILE '" + env.tokenFile + "': cannot read the job token");
+    }
+  }
   auto store = rendezvous::StoreClient::connect(
       env.storeHost, static_cast<std::uint16_t>(env.storePort),
-      {.connectTimeout = options.timeout, .timeout = options.timeout});
+      {.connectTimeout = options.timeout, .timeout = options.timeout, .runId = env.runId,
+       .token = token});
   auto comm = createGlooCommunicator(
       *store, {.rank = env.rank,
                .size = env.worldSize,

@@ -129,6 +129,60 @@ TEST_F(StoreServerTest, ManyConcurrentClientsCountExactly) {
   EXPECT_EQ(client()->add("counter", 0), kClients * kAdds);
 }
 
+TEST(StoreServerToken, OnlyClientsWithTheTokenGetIn) {
+  StoreServer server(ServerOptions{.token = "s3cret"});
+  auto good = StoreClient::connect("127.0.0.1", server.port(), {.runId = "job", .token = "s3cret"});
+  good->set("k", "v");
+  try {
+    StoreClient::connect("127.0.0.1", server.port(), {.runId = "job", .token = "wrong"});
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("authentication failed"), std::string::npos) << e.what();
+    EXPECT_EQ(std::string(e.what()).find("s3cret"), std::string::npos);
+  }
+  EXPECT_THROW(StoreClient::connect("127.0.0.1", server.port(), {.runId = "job"}), ConfigError);
+  EXPECT_EQ(good->get("k"), "v");
+  EXPECT_EQ(server.stats().authFailures, 1u);
+}
+
+TEST(StoreServerRuns, EachRunHasItsOwnKeys) {
+  StoreServer server(ServerOptions{});
+  auto a = StoreClient::connect("127.0.0.1", server.port(), {.runId = "a"});
+  auto b = StoreClient::connect("127.0.0.1", server.port(), {.runId = "b"});
+  a->set("k", "from a");
+  EXPECT_FALSE(b->check({"k"}));
+  EXPECT_EQ(b->numKeys(), 0);
+  EXPECT_EQ(a->get("k"), "from a");
+}
+
+TEST(StoreServerRuns, AnIdleRunIsDroppedAfterItsTtl) {
+  StoreServer server(ServerOptions{.runIdleTtl = 200ms});
+  {
+    auto a = StoreClient::connect("127.0.0.1", server.port(), {.runId = "a"});
+    a->set("k", "v");
+  }
+  EXPECT_EQ(server.stats().runs, 1u);
+  // The sweep runs every ttl/4 (at least 100 ms): bounded by a few sweeps. Asking through a
+  // client would keep the run alive, so this watches the server's own count.
+  const auto deadline = std::chrono::steady_clock::now() + 5s;
+  while (server.stats().runs != 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_EQ(server.stats().runs, 0u);
+  EXPECT_EQ(StoreClient::connect("127.0.0.1", server.port(), {.runId = "a"})->numKeys(), 0);
+}
+
+TEST(StoreServerRuns, ARunOverItsByteLimitLosesThatConnectionOnly) {
+  ServerOptions options;
+  options.limits.maxRunBytes = 1000;
+  StoreServer server(options);
+  auto other = StoreClient::connect("127.0.0.1", server.port(), {.runId = "a"});
+  auto greedy = StoreClient::connect("127.0.0.1", server.port(), {.runId = "a"});
+  greedy->set("small", "x");
+  EXPECT_THROW(greedy->set("big", std::string(2000, 'x')), Error);
+  EXPECT_EQ(other->get("small"), "x");
+}
+
 TEST(StoreClientConnect, GivesUpAfterItsTimeoutNamingTheEndpoint) {
   // A port that was free a moment ago: nothing listens there.
   std::uint16_t port = 0;

@@ -41,7 +41,8 @@ struct WorkerIdentity {
 };
 std::vector<std::string> workerEnvironment(const LaunchOptions& options, const WorkerIdentity& id,
                                            const std::string& storeHost, int storePort,
-                                           int masterPort, std::vector<std::string> base);
+                                           int masterPort, std::vector<std::string> base,
+                                           const std::string& tokenFile = "");
 
 // Runs a single-node job to completion. Blocks the signals it handles in the calling
 // thread (call it from main before other threads exist).

@@ -44,7 +44,7 @@ struct ServerStats {
   std::uint64_t requestsServed = 0;
   std::uint64_t protocolErrors = 0;
   std::uint64_t authFailures = 0;
-  std::uint64_t runs = 0;
+  std::uint64_t runs = 0;  // runs held now
 };
 
 class StoreServer {

@@ -33,6 +33,7 @@ struct WorkerEnv {
   std::string storeHost;
   int storePort = 0;
   std::string localAddress;
+  std::string tokenFile;  // FSDPRUN_TOKEN_FILE: the job token, when the store requires one
 
   // Throws ConfigError naming the variable that is missing or malformed, or inconsistent
   // (RANK outside WORLD_SIZE, ...).
