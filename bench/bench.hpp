@@ -35,6 +35,12 @@ void emit(const nlohmann::json& line);
 double percentile(std::vector<double>& samples, double p);
 
 void storeOps(const Args& args);
+void rdzvJoin(const Args& args);
+void storeInit(const Args& args);
+// Hidden subcommands run by the benches in child processes.
+int rdzvJoinHelper(std::uint16_t port, int count, int total);
+int storeInitHelper(const std::string& server, std::uint16_t port, int count, int total);
+int c10dServer();
 void launch(const Args& args);
 
 }  // namespace fsdp::bench

@@ -50,6 +50,16 @@ int main(int argc, char** argv) {
        "set/get/add throughput and p50/p99 latency, ours vs c10d::TCPStore (--clients 1,16,256)",
        {"clients", "ops"},
        storeOps},
+      {"rdzv_join",
+       "N agents join one round of fsdprun-rdzv: first JOIN sent to last assignment received, "
+       "server RSS (--agents 100,1000,10000)",
+       {"agents"},
+       rdzvJoin},
+      {"store_init",
+       "N clients connect, add(init,1) and wait for the count to reach N, ours vs c10d::TCPStore "
+       "1.13, medians of alternating reps (--clients 1000,10000 --server ours|c10d|both --reps 3)",
+       {"clients", "server", "reps"},
+       storeInit},
       {"launch",
        "fsdprun vs torchrun (--monitor_interval 0.1): --standalone --nproc_per_node N /bin/true "
        "(--n 1,2,4,8 --reps 5)",
@@ -61,6 +71,19 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string first = argv[1];
+  try {
+    if (first == "rdzv_join_helper" && argc == 5) {
+      return rdzvJoinHelper(static_cast<std::uint16_t>(std::stoi(argv[2])), std::stoi(argv[3]), std::stoi(argv[4]));
+    }
+    if (first == "store_init_helper" && argc == 6) {
+      return storeInitHelper(argv[2], static_cast<std::uint16_t>(std::stoi(argv[3])), std::stoi(argv[4]),
+                             std::stoi(argv[5]));
+    }
+    if (first == "c10d_server") return c10dServer();
+  } catch (const std::exception& e) {
+    std::cout << "error: " << e.what() << std::endl;
+    return 1;
+  }
   if (first == "--list") {
     for (const auto& b : benches) std::cout << b.name << "\t" << b.help << "\n";
     return 0;

@@ -74,6 +74,7 @@ std::vector<char*> cStrings(const std::vector<std::string>& strings) {
   };
   redirect(options.stdoutPath, STDOUT_FILENO);
   if (options.stdoutFd && ::dup2(*options.stdoutFd, STDOUT_FILENO) < 0) fail(errno);
+  if (options.stdinFd && ::dup2(*options.stdinFd, STDIN_FILENO) < 0) fail(errno);
   redirect(options.stderrPath, STDERR_FILENO);
   ::execve(program, argv, envp);
   fail(errno);

@@ -1,5 +1,6 @@
 #include "connection.hpp"
 
+#include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -9,6 +10,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -68,10 +70,48 @@ void recvAll(int fd, std::uint8_t* out, std::size_t size, const Deadline& deadli
   }
 }
 
+// One non-blocking connect to `addr`, bounded by `deadline`; the fd or -1 with `error` set.
+int connectTo(const sockaddr* addr, socklen_t len, int family, const Deadline& deadline,
+              std::string& error) {
+  const int fd = ::socket(family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    error = errnoMessage("socket", errno);
+    return -1;
+  }
+  if (::connect(fd, addr, len) == 0 || errno == EINPROGRESS) {
+    pollfd pfd{fd, POLLOUT, 0};
+    const auto left = std::max<long long>(deadline.remaining().count(), 1);
+    if (::poll(&pfd, 1, static_cast<int>(std::min<long long>(left, 1 << 30))) == 1) {
+      int soError = 0;
+      socklen_t soLen = sizeof(soError);
+      ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &soError, &soLen);
+      if (soError == 0) {
+        const int one = 1;
+        ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+        return fd;
+      }
+      error = std::strerror(soError);
+    } else {
+      error = "connect timed out";
+    }
+  } else {
+    error = std::strerror(errno);
+  }
+  ::close(fd);
+  return -1;
+}
+
 // One non-blocking connect attempt to any address of host:port, bounded by `deadline`.
 // Returns the fd or -1 with `error` set.
 int tryConnect(const std::string& host, std::uint16_t port, const Deadline& deadline,
                std::string& error) {
+  // A numeric IPv4 address (the common case on a cluster) needs no resolver round.
+  sockaddr_in numeric{};
+  if (::inet_pton(AF_INET, host.c_str(), &numeric.sin_addr) == 1) {
+    numeric.sin_family = AF_INET;
+    numeric.sin_port = htons(port);
+    return connectTo(reinterpret_cast<const sockaddr*>(&numeric), sizeof(numeric), AF_INET, deadline, error);
+  }
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -83,31 +123,8 @@ int tryConnect(const std::string& host, std::uint16_t port, const Deadline& dead
   }
   std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> list(result, ::freeaddrinfo);
   for (addrinfo* ai = list.get(); ai != nullptr; ai = ai->ai_next) {
-    const int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    if (fd < 0) {
-      error = errnoMessage("socket", errno);
-      continue;
-    }
-    if (::connect(fd, ai->ai_addr, ai->ai_addrlen) == 0 || errno == EINPROGRESS) {
-      pollfd pfd{fd, POLLOUT, 0};
-      const auto left = std::max<long long>(deadline.remaining().count(), 1);
-      if (::poll(&pfd, 1, static_cast<int>(std::min<long long>(left, 1 << 30))) == 1) {
-        int soError = 0;
-        socklen_t len = sizeof(soError);
-        ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &soError, &len);
-        if (soError == 0) {
-          const int one = 1;
-          ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-          return fd;
-        }
-        error = std::strerror(soError);
-      } else {
-        error = "connect timed out";
-      }
-    } else {
-      error = std::strerror(errno);
-    }
-    ::close(fd);
+    const int fd = connectTo(ai->ai_addr, ai->ai_addrlen, ai->ai_family, deadline, error);
+    if (fd >= 0) return fd;
   }
   return -1;
 }
@@ -118,13 +135,17 @@ Connection Connection::open(const ConnectParams& params) {
   const std::string endpoint = params.host + ":" + std::to_string(params.port);
   const auto start = Deadline::Clock::now();
   const Deadline deadline = Deadline::after(params.connectTimeout);
-  std::mt19937 jitter(std::random_device{}());
+  std::optional<std::mt19937> jitter;  // seeded on the first retry only
   std::chrono::milliseconds backoff(10);
+  // A SYN dropped by a full listen backlog (thousands of ranks connecting at once) is resent
+  // by the kernel only after a second; a fresh attempt after a short wait is much faster.
+  std::chrono::milliseconds attemptTimeout(100);
   std::string error;
   int attempts = 0;
   for (;;) {
     ++attempts;
-    const int fd = tryConnect(params.host, params.port, deadline, error);
+    const int fd = tryConnect(params.host, params.port, deadline.min(Deadline::after(attemptTimeout)), error);
+    attemptTimeout = std::min(attemptTimeout * 2, std::chrono::milliseconds(2000));
     if (fd >= 0) {
       Connection connection(fd, endpoint, params.limits);
       connection.handshake(params, deadline.min(Deadline::after(std::chrono::seconds(30))));
@@ -132,8 +153,9 @@ Connection Connection::open(const ConnectParams& params) {
     }
     if (deadline.expired()) break;
     // Exponential backoff with jitter, never past the deadline.
+    if (!jitter) jitter.emplace(std::random_device{}());
     std::uniform_int_distribution<long long> spread(backoff.count() / 2, backoff.count());
-    const auto pause = std::min(std::chrono::milliseconds(spread(jitter)), deadline.remaining());
+    const auto pause = std::min(std::chrono::milliseconds(spread(*jitter)), deadline.remaining());
     std::this_thread::sleep_for(pause);
     backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
   }
@@ -143,7 +165,8 @@ Connection Connection::open(const ConnectParams& params) {
 }
 
 Connection::Connection(Connection&& other) noexcept
-    : fd_(other.fd_), endpoint_(std::move(other.endpoint_)), limits_(other.limits_) {
+    : fd_(other.fd_), helloPending_(other.helloPending_), endpoint_(std::move(other.endpoint_)),
+      limits_(other.limits_) {
   other.fd_ = -1;
 }
 
@@ -152,17 +175,44 @@ Connection::~Connection() {
 }
 
 void Connection::handshake(const ConnectParams& params, const Deadline& deadline) {
-  const std::string clientNonce = randomBytes(16);
-  const Response hello =
-      call({.op = Op::kHello, .keys = {params.runId}, .value = clientNonce}, deadline);
-  if (hello.number == 0) return;
+  // The nonce only matters to a token proof; a client without a token sends none.
+  const std::string clientNonce = params.token.empty() ? std::string() : randomBytes(16);
+  send(encodeRequest({.op = Op::kHello, .keys = {params.runId}, .value = clientNonce}), deadline);
   if (params.token.empty()) {
+    // Nothing to prove: the first request follows HELLO at once, and HELLO's reply is checked
+    // before that request's reply is read. Saves a round trip per connection, which is what
+    // thousands of ranks starting at once pay for.
+    helloPending_ = true;
+    return;
+  }
+  auto [h, body] = readFrame(deadline);
+  const Response reply = checkHelloReply(h, body);
+  if (reply.number == 0) return;
+  const auto mac = hmacSha256(params.token, authMessage(params.runId, clientNonce, reply.value));
+  call({.op = Op::kAuth, .value = std::string(reinterpret_cast<const char*>(mac.data()), mac.size())},
+       deadline);
+}
+
+Response Connection::checkHelloReply(const Header& h, const std::vector<std::uint8_t>& body) {
+  if (h.op != Op::kHello) {
+    throw ProtocolError("store server " + endpoint_ + " answered " + opName(h.op) + " to HELLO");
+  }
+  Response reply = decodeResponse(body, limits_);
+  if (reply.status == Status::kError) {
+    throw Error("store HELLO failed on server " + endpoint_ + ": " + reply.value);
+  }
+  if (reply.number != 0 && helloPending_) {
     throw ConfigError("store server " + endpoint_ + " requires a job token, and none was given "
                       "(FSDPRUN_TOKEN_FILE or --rdzv_conf token_file=...)");
   }
-  const auto mac = hmacSha256(params.token, authMessage(params.runId, clientNonce, hello.value));
-  call({.op = Op::kAuth, .value = std::string(reinterpret_cast<const char*>(mac.data()), mac.size())},
-       deadline);
+  return reply;
+}
+
+void Connection::completeHandshake(const Deadline& deadline) {
+  if (!helloPending_) return;
+  auto [h, body] = readFrame(deadline);
+  checkHelloReply(h, body);
+  helloPending_ = false;
 }
 
 void Connection::send(const std::vector<std::uint8_t>& bytes, const Deadline& deadline) {
@@ -170,6 +220,11 @@ void Connection::send(const std::vector<std::uint8_t>& bytes, const Deadline& de
 }
 
 std::pair<Header, std::vector<std::uint8_t>> Connection::receive(const Deadline& deadline) {
+  completeHandshake(deadline);
+  return readFrame(deadline);
+}
+
+std::pair<Header, std::vector<std::uint8_t>> Connection::readFrame(const Deadline& deadline) {
   std::array<std::uint8_t, kHeaderSize> header{};
   recvAll(fd_, header.data(), header.size(), deadline, endpoint_);
   const Header h = decodeHeader(header, limits_);

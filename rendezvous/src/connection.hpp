@@ -25,7 +25,8 @@ class Connection {
  public:
   // Connects (retrying with exponential backoff and jitter until connectTimeout) and
   // authenticates. Throws TimeoutError naming the endpoint and the last error, Error when the
-  // server refuses the token.
+  // server refuses the token. Without a token, HELLO's reply is read with the first
+  // request's, so "this server requires a token" surfaces there.
   static Connection open(const ConnectParams& params);
   Connection(Connection&& other) noexcept;
   Connection& operator=(Connection&&) = delete;
@@ -37,6 +38,8 @@ class Connection {
   std::pair<Header, std::vector<std::uint8_t>> receive(const Deadline& deadline);
   // Sends a request and reads its response, checking that the reply is for `op`.
   Response call(const Request& request, const Deadline& deadline);
+  // Reads a pipelined HELLO reply now (for callers that poll fd() for pushed events).
+  void completeHandshake(const Deadline& deadline);
   int fd() const { return fd_; }
   const std::string& endpoint() const { return endpoint_; }
 
@@ -44,7 +47,10 @@ class Connection {
   Connection(int fd, std::string endpoint, Limits limits)
       : fd_(fd), endpoint_(std::move(endpoint)), limits_(limits) {}
   void handshake(const ConnectParams& params, const Deadline& deadline);
+  std::pair<Header, std::vector<std::uint8_t>> readFrame(const Deadline& deadline);
+  Response checkHelloReply(const Header& h, const std::vector<std::uint8_t>& body);
   int fd_;
+  bool helloPending_ = false;  // HELLO sent, its reply not read yet (clients without a token)
   std::string endpoint_;
   Limits limits_;
 };

@@ -101,12 +101,22 @@ void KvStore::unwatch(WatchId id) {
 void KvStore::notify(const std::string& key) {
   const auto list = byKey_.find(key);
   if (list == byKey_.end()) return;
-  const std::vector<WatchId> ids = list->second;
+  // Take the whole list at once: thousands of ranks may wait on one key (a barrier), and
+  // removing them one by one from the vector would be quadratic.
+  const std::vector<WatchId> ids = std::move(list->second);
+  byKey_.erase(list);
   for (const WatchId id : ids) {
     const auto it = watches_.find(id);
     if (it == watches_.end()) continue;
+    for (const auto& other : it->second.keys) {
+      if (other == key) continue;
+      if (const auto l = byKey_.find(other); l != byKey_.end()) {
+        std::erase(l->second, id);
+        if (l->second.empty()) byKey_.erase(l);
+      }
+    }
     auto fire = std::move(it->second.fire);
-    unwatch(id);
+    watches_.erase(it);
     fire();
   }
 }

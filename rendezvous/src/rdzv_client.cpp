@@ -15,6 +15,7 @@ std::unique_ptr<RendezvousClient> RendezvousClient::connect(const std::string& h
                                               .runId = options.runId,
                                               .token = options.token,
                                               .limits = options.limits});
+  connection.completeHandshake(Deadline::after(options.connectTimeout));
   return std::unique_ptr<RendezvousClient>(
       new RendezvousClient(std::make_unique<detail::Connection>(std::move(connection))));
 }
@@ -55,6 +56,11 @@ Assignment RendezvousClient::join(const JoinRequest& request, std::chrono::milli
       case EventKind::kRoundEnded: break;  // a stale notice from the previous round
     }
   }
+}
+
+void RendezvousClient::sendJoin(const JoinRequest& request) {
+  connection_->send(encodeRequest({.op = Op::kJoin, .value = encodeJoin(request)}),
+                    Deadline::after(std::chrono::seconds(30)));
 }
 
 void RendezvousClient::heartbeat() {

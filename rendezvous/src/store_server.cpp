@@ -91,10 +91,7 @@ struct StoreServer::Impl {
 class Session : public std::enable_shared_from_this<Session> {
  public:
   Session(StoreServer::Impl& server, tcp::socket socket)
-      : server_(server), socket_(std::move(socket)), wake_(socket_.get_executor()),
-        peer_(peerName(socket_)), id_(server.nextSession++) {
-    wake_.expires_at(TimePoint::max());
-  }
+      : server_(server), socket_(std::move(socket)), id_(server.nextSession++) {}
 
   awaitable<void> run() {
     server_.sessions.emplace(id_, this);
@@ -102,17 +99,18 @@ class Session : public std::enable_shared_from_this<Session> {
     boost::system::error_code ec;
     socket_.non_blocking(true, ec);
     try {
-      co_await (reader() || writer());
+      co_await reader();
     } catch (const std::exception& e) {
-      log::warn("store server: connection {} ended: {}", peer_, e.what());
+      log::warn("store server: connection {} ended: {}", peer(), e.what());
     }
     finish();
   }
 
-  // Queues a frame; writes it at once when the socket takes it.
+  // Writes a frame at once when the socket takes it (the usual case); otherwise queues it
+  // for a writer coroutine started on demand, so a connection costs no writer while idle.
   void send(std::vector<std::uint8_t> frame) {
     if (closed_) return;
-    if (outbox_.empty()) {
+    if (outbox_.empty() && !writing_) {
       boost::system::error_code ec;
       const std::size_t n = socket_.write_some(asio::buffer(frame), ec);
       if (!ec && n == frame.size()) return;
@@ -123,12 +121,26 @@ class Session : public std::enable_shared_from_this<Session> {
       frame.erase(frame.begin(), frame.begin() + static_cast<std::ptrdiff_t>(n));
     }
     outbox_.push_back(std::move(frame));
-    wake_.cancel();
+    if (!writing_) {
+      writing_ = true;
+      asio::co_spawn(socket_.get_executor(), writer(shared_from_this()), [](std::exception_ptr e) {
+        if (!e) return;
+        try {
+          std::rethrow_exception(e);
+        } catch (const std::exception& ex) {
+          log::warn("store server: {}", ex.what());
+        }
+      });
+    }
   }
 
+  // Closes once everything queued has been written.
   void closeAfterFlush() {
-    closeAfterFlush_ = true;
-    wake_.cancel();
+    if (!writing_) {
+      close();
+    } else {
+      closeAfterFlush_ = true;
+    }
   }
 
   void close() {
@@ -136,7 +148,6 @@ class Session : public std::enable_shared_from_this<Session> {
     closed_ = true;
     boost::system::error_code ec;
     socket_.close(ec);
-    wake_.cancel();
     parked_.cancel();
   }
 
@@ -160,40 +171,45 @@ class Session : public std::enable_shared_from_this<Session> {
         ++server_.stats.authFailures;
         log::warn("store server: closing connection from {}: PyTorch TCPStore clients are off "
                   "(the server has a job token; enable them explicitly)",
-                  peer_);
+                  peer());
       }
     } catch (const ProtocolError& e) {
       ++server_.stats.protocolErrors;
-      log::warn("store server: closing connection from {}: protocol error: {}", peer_, e.what());
+      log::warn("store server: closing connection from {}: protocol error: {}", peer(), e.what());
     } catch (const TimeoutError& e) {
-      log::warn("store server: closing connection from {}: {}", peer_, e.what());
+      log::warn("store server: closing connection from {}: {}", peer(), e.what());
     } catch (const boost::system::system_error& e) {
       const auto code = e.code();
       if (code != asio::error::eof && code != asio::error::operation_aborted &&
           code != asio::error::connection_reset && code != asio::error::bad_descriptor) {
-        log::warn("store server: connection from {} failed: {}", peer_, code.message());
+        log::warn("store server: connection from {} failed: {}", peer(), code.message());
       }
     }
   }
 
-  awaitable<void> writer() {
-    for (;;) {
-      while (!outbox_.empty() && !closed_) {
-        asio::steady_timer timer(socket_.get_executor(),
-                                 asio::steady_timer::clock_type::now() + server_.options.frameTimeout);
-        auto result = co_await (asio::async_write(socket_, asio::buffer(outbox_.front()), kUseAwaitable) ||
-                                timer.async_wait(kUseAwaitable));
-        if (result.index() == 1) throw TimeoutError("client " + peer_ + " does not read its replies");
-        outbox_.pop_front();
-      }
-      if (closed_) co_return;
-      if (closeAfterFlush_) {
+  // `self` keeps the session alive until the outbox is written.
+  awaitable<void> writer([[maybe_unused]] std::shared_ptr<Session> self) {
+    while (!outbox_.empty() && !closed_) {
+      asio::steady_timer timer(socket_.get_executor(),
+                               asio::steady_timer::clock_type::now() + server_.options.frameTimeout);
+      auto result = co_await (asio::async_write(socket_, asio::buffer(outbox_.front()), asio::as_tuple(kUseAwaitable)) ||
+                              timer.async_wait(asio::as_tuple(kUseAwaitable)));
+      if (result.index() == 1) {
+        log::warn("store server: closing connection from {}: it does not read its replies", peer());
         close();
-        co_return;
+      } else if (std::get<0>(std::get<0>(result))) {
+        close();  // the peer went away
       }
-      co_await wake_.async_wait(asio::as_tuple(kUseAwaitable));
-      wake_.expires_at(TimePoint::max());
+      if (!outbox_.empty()) outbox_.pop_front();
     }
+    writing_ = false;
+    if (closeAfterFlush_) close();
+  }
+
+  // "host:port" of the peer, for messages only (a syscall: not on the hot path).
+  std::string peer() const {
+    if (closed_) return "a closed connection";
+    return peerName(socket_);
   }
 
   awaitable<void> serveFramed(std::uint8_t first) {
@@ -250,7 +266,7 @@ class Session : public std::enable_shared_from_this<Session> {
       const std::string expected(reinterpret_cast<const char*>(mac.data()), mac.size());
       if (!constantTimeEqual(expected, req.value)) {
         ++server_.stats.authFailures;
-        log::warn("store server: connection from {} failed authentication for run '{}'", peer_, runId_);
+        log::warn("store server: connection from {} failed authentication for run '{}'", peer(), runId_);
         send(encodeResponse(req.op, Response{Status::kError, 0, "authentication failed", {}}));
         closeAfterFlush();
         co_return false;
@@ -262,7 +278,7 @@ class Session : public std::enable_shared_from_this<Session> {
     }
     if (!authenticated_ || run_ == nullptr) {
       ++server_.stats.authFailures;
-      log::warn("store server: closing connection from {}: {} before HELLO/AUTH", peer_, opName(req.op));
+      log::warn("store server: closing connection from {}: {} before HELLO/AUTH", peer(), opName(req.op));
       send(encodeResponse(req.op, Response{Status::kError, 0, "not authenticated: send HELLO (and AUTH) first", {}}));
       closeAfterFlush();
       co_return false;
@@ -285,7 +301,7 @@ class Session : public std::enable_shared_from_this<Session> {
         server_.rearm(run);
         co_return true;
       case Op::kCloseRun:
-        log::info("store server: run '{}' closed by {}: {}", run.id, peer_, req.value);
+        log::info("store server: run '{}' closed by {}: {}", run.id, peer(), req.value);
         server_.deliver(run.rounds.close(req.value));
         server_.rearm(run);
         co_return true;
@@ -339,7 +355,11 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void finish() {
-    close();
+    if (writing_) {
+      closeAfterFlush();  // let a queued goodbye (an error reply) leave first
+    } else {
+      close();
+    }
     server_.sessions.erase(id_);
     --server_.stats.connectionsOpen;
     if (run_ != nullptr) {
@@ -355,13 +375,12 @@ class Session : public std::enable_shared_from_this<Session> {
 
   StoreServer::Impl& server_;
   tcp::socket socket_;
-  asio::steady_timer wake_;
   asio::steady_timer parked_{socket_.get_executor()};
-  std::string peer_;
   AgentId id_;
   std::deque<std::vector<std::uint8_t>> outbox_;
   bool closed_ = false;
   bool closeAfterFlush_ = false;
+  bool writing_ = false;
   Run* run_ = nullptr;
   std::string runId_;
   std::string clientNonce_;
@@ -424,33 +443,43 @@ void StoreServer::Impl::deliver(const std::vector<Event>& events) {
 }
 
 awaitable<void> StoreServer::Impl::accept() {
+  boost::system::error_code ec;
+  acceptor.non_blocking(true, ec);
   for (;;) {
-    auto [ec, socket] = co_await acceptor.async_accept(asio::as_tuple(kUseAwaitable));
-    if (ec == asio::error::operation_aborted || stopped) co_return;
-    if (ec) {
-      // e.g. EMFILE: log and keep accepting; the listener must survive.
-      log::warn("store server: accept failed: {}", ec.message());
-      asio::steady_timer pause(io, std::chrono::milliseconds(10));
-      co_await pause.async_wait(asio::as_tuple(kUseAwaitable));
-      continue;
-    }
-    ++stats.connectionsAccepted;
-    if (options.maxConnections > 0 && sessions.size() >= options.maxConnections) {
-      log::warn("store server: refusing connection from {}: {} connections open (--max_connections)",
-                peerName(socket), sessions.size());
-      socket.close(ec);
-      continue;
-    }
-    socket.set_option(tcp::no_delay(true), ec);
-    auto session = std::make_shared<Session>(*this, std::move(socket));
-    asio::co_spawn(io, session->run(), [session](std::exception_ptr e) {
-      if (!e) return;
-      try {
-        std::rethrow_exception(e);
-      } catch (const std::exception& ex) {
-        log::error("store server: session ended by an unexpected error: {}", ex.what());
+    // Wait until connections are queued, then take every one of them: when thousands of
+    // ranks connect at once, a slow drain overflows the listen backlog and each dropped SYN
+    // costs its client a one-second retransmit.
+    auto [waitError] = co_await acceptor.async_wait(tcp::acceptor::wait_read, asio::as_tuple(kUseAwaitable));
+    if (waitError == asio::error::operation_aborted || stopped) co_return;
+    for (;;) {
+      tcp::socket socket(io);
+      acceptor.accept(socket, ec);
+      if (ec == asio::error::would_block || ec == asio::error::try_again) break;
+      if (ec) {
+        // e.g. EMFILE: log and keep accepting; the listener must survive.
+        log::warn("store server: accept failed: {}", ec.message());
+        asio::steady_timer pause(io, std::chrono::milliseconds(10));
+        co_await pause.async_wait(asio::as_tuple(kUseAwaitable));
+        break;
       }
-    });
+      ++stats.connectionsAccepted;
+      if (options.maxConnections > 0 && sessions.size() >= options.maxConnections) {
+        log::warn("store server: refusing connection from {}: {} connections open (--max_connections)",
+                  peerName(socket), sessions.size());
+        socket.close(ec);
+        continue;
+      }
+      socket.set_option(tcp::no_delay(true), ec);
+      auto session = std::make_shared<Session>(*this, std::move(socket));
+      asio::co_spawn(io, session->run(), [session](std::exception_ptr e) {
+        if (!e) return;
+        try {
+          std::rethrow_exception(e);
+        } catch (const std::exception& ex) {
+          log::error("store server: session ended by an unexpected error: {}", ex.what());
+        }
+      });
+    }
   }
 }
 

@@ -44,6 +44,9 @@ class RendezvousClient {
   // Joins the next round and blocks until it completes. Throws RunClosedError, Error (the
   // server refused the join, e.g. join timeout, naming how many nodes came), TimeoutError.
   Assignment join(const JoinRequest& request, std::chrono::milliseconds timeout);
+  // Sends JOIN without waiting; the assignment arrives as an event (nextEvent). For callers
+  // that drive many agents from one thread (benchmarks).
+  void sendJoin(const JoinRequest& request);
   void heartbeat();
   // Asks every member to restart (ends the round for all).
   void endRound(const std::string& reason);

@@ -34,7 +34,8 @@ class StoreClient {
  public:
   // Connects to host:port and joins options.runId (authenticating with options.token when the
   // server asks). Throws TimeoutError naming the endpoint, the last error and the time waited
-  // when no connection could be made within options.connectTimeout.
+  // when no connection could be made within options.connectTimeout. Without a token,
+  // "the server requires a token" (ConfigError) comes with the first request.
   static std::unique_ptr<StoreClient> connect(const std::string& host, std::uint16_t port,
                                               ClientOptions options = {});
   ~StoreClient();
