@@ -95,6 +95,7 @@ class Reader {
 
 std::vector<std::uint8_t> frame(Op op, std::vector<std::uint8_t> body) {
   Writer header;
+  header.bytes().reserve(kHeaderSize + body.size());
   header.u32(kMagic);
   header.u8(kVersion);
   header.u8(static_cast<std::uint8_t>(op));
@@ -222,6 +223,7 @@ Request decodeRequest(Op op, std::span<const std::uint8_t> body, const Limits& l
 
 std::vector<std::uint8_t> encodeResponse(Op op, const Response& response) {
   Writer w;
+  w.bytes().reserve(kHeaderSize + 32 + response.value.size());
   w.u8(static_cast<std::uint8_t>(response.status));
   w.i64(response.number);
   w.str(response.value);

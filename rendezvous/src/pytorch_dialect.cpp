@@ -69,8 +69,20 @@ class FieldReader {
  public:
   FieldReader(tcp::socket& socket, const Limits& limits) : socket_(socket), limits_(limits) {}
   void startRequest(SteadyTimePoint deadline) { deadline_ = deadline; }
-  // Bytes already consumed while telling the dialect apart, served before the socket.
-  void pushBack(std::vector<std::uint8_t> bytes) { pending_ = std::move(bytes); }
+  // Bytes already read off the socket, served before it (in front of what is pending).
+  void pushBack(const std::vector<std::uint8_t>& bytes) { pending_.insert(pending_.begin(), bytes.begin(), bytes.end()); }
+  bool hasPending() const { return !pending_.empty(); }
+  // The next request's opcode: may wait without a deadline (an idle connection is fine).
+  awaitable<std::uint8_t> opcode() {
+    if (!pending_.empty()) {
+      const std::uint8_t code = pending_.front();
+      pending_.erase(pending_.begin());
+      co_return code;
+    }
+    std::uint8_t code = 0;
+    co_await asio::async_read(socket_, asio::buffer(&code, 1), asio::use_awaitable);
+    co_return code;
+  }
 
   awaitable<void> bytes(std::uint8_t* out, std::size_t n) {
     std::size_t taken = std::min(n, pending_.size());
@@ -169,11 +181,13 @@ void checkRunBytes(const KvStore& store, const Limits& limits, std::uint64_t add
 
 }  // namespace
 
-awaitable<void> servePytorchDialect(tcp::socket& socket, std::uint8_t first, KvStore& store,
+awaitable<void> servePytorchDialect(tcp::socket& socket, std::vector<std::uint8_t> initial, KvStore& store,
                                     const Limits& limits, std::chrono::milliseconds frameTimeout,
                                     const std::function<bool()>& closed,
                                     const std::function<void(std::vector<std::uint8_t>)>& send) {
   FieldReader in(socket, limits);
+  const std::uint8_t first = initial.at(0);
+  in.pushBack(std::vector<std::uint8_t>(initial.begin() + 1, initial.end()));
   auto state = std::make_shared<ConnectionState>(ConnectionState{store, send, std::nullopt, true});
   struct Finish {
     std::shared_ptr<ConnectionState>& state;
@@ -198,7 +212,7 @@ awaitable<void> servePytorchDialect(tcp::socket& socket, std::uint8_t first, KvS
       current = true;
       opcode.reset();
     } else {
-      in.pushBack(std::move(next));
+      in.pushBack(next);
     }
   }
 
@@ -208,7 +222,7 @@ awaitable<void> servePytorchDialect(tcp::socket& socket, std::uint8_t first, KvS
       code = *opcode;
       opcode.reset();
     } else {
-      co_await asio::async_read(socket, asio::buffer(&code, 1), asio::use_awaitable);
+      code = co_await in.opcode();
     }
     if (closed()) co_return;
     in.startRequest(SteadyTimePoint::clock::now() + frameTimeout);
