@@ -16,7 +16,7 @@ JOBS ?= $(shell nproc)
 export CCACHE_SLOPPINESS := pch_defines,time_macros,include_file_mtime,include_file_ctime
 export CCACHE_MAXSIZE ?= 5G
 
-.PHONY: all deps configure build test demo bench clean format
+.PHONY: all deps configure build test demo bench fuzz clean format
 
 all: build
 
@@ -40,8 +40,16 @@ demo: build
 bench: build
 	$(BUILD_DIR)/bin/fsdp-bench --all
 
+# libFuzzer on the frame decoders (clang), FUZZ_SECONDS long.
+FUZZ_SECONDS ?= 60
+fuzz: deps
+	cmake -S . -B build-fuzz -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DFSDP_FUZZ=ON -DFSDP_BUILD_TESTS=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo
+	cmake --build build-fuzz --target frame_fuzzer
+	mkdir -p build-fuzz/corpus
+	build-fuzz/bin/frame_fuzzer -max_total_time=$(FUZZ_SECONDS) build-fuzz/corpus
+
 format:
 	find common rendezvous launcher slurm worker examples tests bench -name '*.[ch]pp' | xargs clang-format -i
 
 clean:
-	rm -rf build build-asan
+	rm -rf build build-asan build-fuzz
