@@ -53,22 +53,6 @@ void sendAll(int fd, const std::vector<std::uint8_t>& bytes, const Deadline& dea
   }
 }
 
-void recvAll(int fd, std::uint8_t* out, std::size_t size, const Deadline& deadline,
-             const std::string& endpoint) {
-  std::size_t got = 0;
-  while (got < size) {
-    const ssize_t n = ::recv(fd, out + got, size - got, 0);
-    if (n > 0) {
-      got += static_cast<std::size_t>(n);
-    } else if (n == 0) {
-      throw NetworkError("store server " + endpoint + " closed the connection", endpoint);
-    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      pollUntil(fd, POLLIN, deadline, "receive", endpoint);
-    } else if (errno != EINTR) {
-      throw NetworkError(errnoMessage("store receive from " + endpoint, errno), endpoint);
-    }
-  }
-}
 
 // One non-blocking connect to `addr`, bounded by `deadline`; the fd or -1 with `error` set.
 int connectTo(const sockaddr* addr, socklen_t len, int family, const Deadline& deadline,
@@ -166,7 +150,7 @@ Connection Connection::open(const ConnectParams& params) {
 
 Connection::Connection(Connection&& other) noexcept
     : fd_(other.fd_), helloPending_(other.helloPending_), endpoint_(std::move(other.endpoint_)),
-      limits_(other.limits_) {
+      limits_(other.limits_), in_(std::move(other.in_)), start_(other.start_), end_(other.end_) {
   other.fd_ = -1;
 }
 
@@ -224,13 +208,43 @@ std::pair<Header, std::vector<std::uint8_t>> Connection::receive(const Deadline&
   return readFrame(deadline);
 }
 
+void Connection::fill(std::size_t n, const Deadline& deadline) {
+  if (end_ - start_ >= n) return;
+  if (start_ > 0) {
+    std::copy(in_.begin() + static_cast<std::ptrdiff_t>(start_), in_.begin() + static_cast<std::ptrdiff_t>(end_),
+              in_.begin());
+    end_ -= start_;
+    start_ = 0;
+  }
+  if (in_.size() < std::max<std::size_t>(n, 4096)) in_.resize(std::max<std::size_t>(n, 4096));
+  while (end_ < n) {
+    // A reply is rarely there the instant after its request went out: wait first, then read
+    // (one syscall fewer than a read that would fail with EAGAIN).
+    pollUntil(fd_, POLLIN, deadline, "receive", endpoint_);
+    const ssize_t got = ::recv(fd_, in_.data() + end_, in_.size() - end_, 0);
+    if (got > 0) {
+      end_ += static_cast<std::size_t>(got);
+    } else if (got == 0) {
+      throw NetworkError("store server " + endpoint_ + " closed the connection", endpoint_);
+    } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+      throw NetworkError(errnoMessage("store receive from " + endpoint_, errno), endpoint_);
+    }
+  }
+}
+
 std::pair<Header, std::vector<std::uint8_t>> Connection::readFrame(const Deadline& deadline) {
-  std::array<std::uint8_t, kHeaderSize> header{};
-  recvAll(fd_, header.data(), header.size(), deadline, endpoint_);
-  const Header h = decodeHeader(header, limits_);
-  std::vector<std::uint8_t> body(h.bodyLength);
-  recvAll(fd_, body.data(), body.size(), deadline, endpoint_);
-  return {h, std::move(body)};
+  // One recv usually brings the whole reply (and sometimes the next pushed event too).
+  fill(kHeaderSize, deadline);
+  const Header h = decodeHeader(std::span(in_.data() + start_, kHeaderSize), limits_);
+  fill(kHeaderSize + h.bodyLength, deadline);
+  const auto* body = in_.data() + start_ + kHeaderSize;
+  std::vector<std::uint8_t> out(body, body + h.bodyLength);
+  start_ += kHeaderSize + h.bodyLength;
+  if (start_ == end_) {
+    start_ = end_ = 0;
+    if (in_.size() > (1u << 20)) in_.resize(4096);
+  }
+  return {h, std::move(out)};
 }
 
 Response Connection::call(const Request& request, const Deadline& deadline) {

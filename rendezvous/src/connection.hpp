@@ -41,6 +41,8 @@ class Connection {
   // Reads a pipelined HELLO reply now (for callers that poll fd() for pushed events).
   void completeHandshake(const Deadline& deadline);
   int fd() const { return fd_; }
+  // Whether received bytes wait in the buffer (poll(fd) would not show them).
+  bool buffered() const { return end_ > start_; }
   const std::string& endpoint() const { return endpoint_; }
 
  private:
@@ -53,6 +55,10 @@ class Connection {
   bool helloPending_ = false;  // HELLO sent, its reply not read yet (clients without a token)
   std::string endpoint_;
   Limits limits_;
+  void fill(std::size_t n, const Deadline& deadline);
+  std::vector<std::uint8_t> in_;  // received bytes; [start_, end_) not parsed yet
+  std::size_t start_ = 0;
+  std::size_t end_ = 0;
 };
 
 }  // namespace fsdp::rendezvous::detail

@@ -166,6 +166,10 @@ Header decodeHeader(std::span<const std::uint8_t> bytes, const Limits& limits) {
 
 std::vector<std::uint8_t> encodeRequest(const Request& request) {
   Writer w;
+  std::size_t size = 64 + request.value.size() + request.value2.size();
+  for (const auto& k : request.keys) size += 4 + k.size();
+  for (const auto& v : request.values) size += 4 + v.size();
+  w.bytes().reserve(size);
   w.strs(request.keys);
   w.str(request.value);
   w.str(request.value2);

@@ -27,6 +27,8 @@ RendezvousClient::~RendezvousClient() = default;
 
 int RendezvousClient::fd() const { return connection_->fd(); }
 
+bool RendezvousClient::hasBufferedEvent() const { return connection_->buffered(); }
+
 const std::string& RendezvousClient::endpoint() const { return connection_->endpoint(); }
 
 Assignment RendezvousClient::join(const JoinRequest& request, std::chrono::milliseconds timeout) {
@@ -78,10 +80,12 @@ void RendezvousClient::closeRun(const std::string& reason) {
 }
 
 std::optional<RendezvousEvent> RendezvousClient::nextEvent(std::chrono::milliseconds timeout) {
-  pollfd pfd{connection_->fd(), POLLIN, 0};
-  const int r = ::poll(&pfd, 1, static_cast<int>(std::min<long long>(timeout.count(), 1 << 30)));
-  if (r == 0) return std::nullopt;
-  if (r < 0 && errno == EINTR) return std::nullopt;
+  if (!connection_->buffered()) {
+    pollfd pfd{connection_->fd(), POLLIN, 0};
+    const int r = ::poll(&pfd, 1, static_cast<int>(std::min<long long>(timeout.count(), 1 << 30)));
+    if (r == 0) return std::nullopt;
+    if (r < 0 && errno == EINTR) return std::nullopt;
+  }
   auto [header, body] = connection_->receive(Deadline::after(std::chrono::seconds(30)));
   if (header.op != Op::kEvent) {
     throw ProtocolError("rendezvous: server " + endpoint() + " sent " + opName(header.op) +

@@ -55,8 +55,10 @@ class RendezvousClient {
   // Waits up to `timeout` for a pushed event; nullopt when none came. Throws NetworkError
   // when the server closed the connection.
   std::optional<RendezvousEvent> nextEvent(std::chrono::milliseconds timeout);
-  // Readable when an event is waiting (for poll()).
+  // Readable when an event arrives (for poll()); check hasBufferedEvent() first, since an
+  // event read together with an earlier one waits in memory, not in the socket.
   int fd() const;
+  bool hasBufferedEvent() const;
   const std::string& endpoint() const;
 
  private:
