@@ -152,6 +152,7 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   AgentId id() const { return id_; }
+  bool writing() const { return writing_; }
 
  private:
   awaitable<void> reader() {
@@ -586,14 +587,23 @@ void StoreServer::stop() {
     for (auto& [id, run] : impl->runs) impl->deliver(run->rounds.close("server shutting down"));
     impl->stopped = true;
     impl->sweep.cancel();
-    for (auto& [id, session] : impl->sessions) session->closeAfterFlush();
-    // Give the goodbyes a moment to leave, then close whatever is still open.
-    auto timer = std::make_shared<asio::steady_timer>(impl->io, std::chrono::milliseconds(200));
-    timer->async_wait([impl, timer](boost::system::error_code) {
+    bool flushing = false;
+    for (auto& [id, session] : impl->sessions) {
+      flushing = flushing || session->writing();
+      session->closeAfterFlush();
+    }
+    const auto finish = [impl] {
       for (auto& [id, session] : impl->sessions) session->close();
       for (auto& [id, run] : impl->runs) run->tick->cancel();
       impl->io.stop();
-    });
+    };
+    if (!flushing) {
+      finish();  // every goodbye already left (the usual case): no reason to wait
+      return;
+    }
+    // Give queued goodbyes a moment to leave, then close whatever is still open.
+    auto timer = std::make_shared<asio::steady_timer>(impl->io, std::chrono::milliseconds(200));
+    timer->async_wait([timer, finish](boost::system::error_code) { finish(); });
   });
   impl_->thread.join();
 }
