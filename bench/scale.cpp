@@ -217,8 +217,8 @@ int storeInitHelper(const std::string& server, std::uint16_t port, int count, in
       try {
         if (server == "fsdprun") {
           auto c = rendezvous::StoreClient::connect("127.0.0.1", port, {.connectTimeout = std::chrono::seconds(60), .timeout = std::chrono::seconds(120), .runId = "bench"});
-          if (c->add("init", 1) == total) c->set("init/done", "1");
-          c->wait({"init/done"});
+          // One request: the server counts and answers everyone when the count reaches N.
+          c->addAndWait("init", 1, total, std::chrono::seconds(120));
         } else {
           c10d::TCPStoreOptions o;
           o.port = port;

@@ -34,6 +34,7 @@ std::int64_t KvStore::add(const std::string& key, std::int64_t delta) {
   }
   const std::int64_t next = current + delta;
   set(key, std::to_string(next));
+  fireCounter(key, next);
   return next;
 }
 
@@ -96,6 +97,33 @@ void KvStore::unwatch(WatchId id) {
     if (list->second.empty()) byKey_.erase(list);
   }
   watches_.erase(it);
+}
+
+KvStore::WatchId KvStore::watchCounter(const std::string& key, std::int64_t target,
+                                       std::function<void()> fire) {
+  const WatchId id = nextId_++;
+  watches_.emplace(id, Watch{{}, std::move(fire)});
+  counterWatches_[key].emplace(target, id);
+  return id;
+}
+
+void KvStore::fireCounter(const std::string& key, std::int64_t value) {
+  const auto it = counterWatches_.find(key);
+  if (it == counterWatches_.end()) return;
+  auto& byTarget = it->second;
+  std::vector<WatchId> due;
+  for (auto w = byTarget.begin(); w != byTarget.end() && w->first <= value;) {
+    due.push_back(w->second);
+    w = byTarget.erase(w);
+  }
+  if (byTarget.empty()) counterWatches_.erase(it);
+  for (const WatchId id : due) {
+    const auto watch = watches_.find(id);
+    if (watch == watches_.end()) continue;  // unwatched already
+    auto fire = std::move(watch->second.fire);
+    watches_.erase(watch);
+    fire();
+  }
 }
 
 void KvStore::notify(const std::string& key) {
@@ -163,6 +191,7 @@ std::optional<Response> StoreService::tryHandle(const Request& req) {
     case Op::kEndRound:
     case Op::kCloseRun:
     case Op::kEvent:
+    case Op::kAddWait:
       resp.status = Status::kError;
       resp.value = opName(req.op) + " is not a store operation";
       break;

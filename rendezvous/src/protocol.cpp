@@ -135,6 +135,7 @@ std::string opName(Op op) {
     case Op::kEndRound: return "END_ROUND";
     case Op::kCloseRun: return "CLOSE_RUN";
     case Op::kEvent: return "EVENT";
+    case Op::kAddWait: return "ADD_WAIT";
   }
   return "op " + std::to_string(static_cast<int>(op));
 }
@@ -203,7 +204,8 @@ Request decodeRequest(Op op, std::span<const std::uint8_t> body, const Limits& l
     case Op::kDelete:
     case Op::kCompareSet:
     case Op::kAppend:
-    case Op::kHello: needKeys(1); break;
+    case Op::kHello:
+    case Op::kAddWait: needKeys(1); break;
     case Op::kMultiSet:
       if (req.values.size() != req.keys.size()) {
         throw ProtocolError("MULTI_SET with " + std::to_string(req.keys.size()) + " keys and " +

@@ -55,6 +55,18 @@ std::int64_t StoreClient::add(const std::string& key, std::int64_t delta) {
       .number;
 }
 
+std::int64_t StoreClient::addAndWait(const std::string& key, std::int64_t delta,
+                                     std::int64_t target, std::chrono::milliseconds timeout) {
+  const Response resp = call({.op = Op::kAddWait, .keys = {key}, .value = std::to_string(target), .number = delta},
+                             timeout);
+  if (resp.status == Status::kTimeout) {
+    throw TimeoutError("store.addAndWait: counter [" + key + "] at " + std::to_string(resp.number) +
+                       " of " + std::to_string(target) + " after " + std::to_string(timeout.count()) +
+                       " ms (server " + endpoint_ + ")");
+  }
+  return resp.number;
+}
+
 bool StoreClient::check(const std::vector<std::string>& keys) {
   return call({.op = Op::kCheck, .keys = keys}, std::chrono::milliseconds(0)).number != 0;
 }

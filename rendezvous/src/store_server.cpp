@@ -7,6 +7,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "fsdp/common/env.hpp"
 #include "fsdp/common/error.hpp"
 #include "fsdp/common/log.hpp"
 #include "fsdp/common/sha256.hpp"
@@ -343,6 +344,10 @@ class Session : public std::enable_shared_from_this<Session> {
         co_return true;
       default: break;
     }
+    if (req.op == Op::kAddWait) {
+      send(encodeResponse(req.op, co_await addWait(run, req)));
+      co_return true;
+    }
     if (req.op == Op::kSet || req.op == Op::kAppend || req.op == Op::kMultiSet) {
       std::uint64_t adding = 0;
       for (const auto& k : req.keys) adding += k.size();
@@ -357,6 +362,31 @@ class Session : public std::enable_shared_from_this<Session> {
     }
     send(encodeResponse(req.op, co_await answer(run, req)));
     co_return true;
+  }
+
+  // The counter barrier: add once, then park until the counter reaches the target.
+  awaitable<Response> addWait(Run& run, const Request& req) {
+    const auto target = parseInt(req.value);
+    if (!target) co_return Response{Status::kError, 0, "ADD_WAIT: target '" + req.value + "' is not an integer", {}};
+    std::int64_t value = 0;
+    try {
+      value = run.store.add(req.keys[0], req.number);
+    } catch (const ProtocolError& e) {
+      co_return Response{Status::kError, 0, e.what(), {}};
+    }
+    if (value >= *target) co_return Response{Status::kOk, value, {}, {}};
+    parked_.expires_after(std::chrono::milliseconds(req.timeoutMs));
+    bool reached = false;
+    const auto watch = run.store.watchCounter(req.keys[0], *target, [this, &reached] {
+      reached = true;
+      parked_.cancel();
+    });
+    co_await parked_.async_wait(asio::as_tuple(kUseAwaitable));
+    if (!reached) run.store.unwatch(watch);
+    if (closed_) throw boost::system::system_error(asio::error::operation_aborted);
+    const auto now = parseInt(run.store.get(req.keys[0]).value_or("0")).value_or(0);
+    if (!reached) co_return Response{Status::kTimeout, now, req.keys[0], {}};
+    co_return Response{Status::kOk, now, {}, {}};
   }
 
   // Answers one store request; parks it server side while it has to wait.

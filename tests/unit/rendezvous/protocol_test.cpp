@@ -111,6 +111,22 @@ TEST(KvStore, WatchFiresOnceOnTheFirstWriteOfAnyKey) {
   EXPECT_EQ(fired, 1);
 }
 
+TEST(KvStore, CounterWatchesFireOnlyWhenTheirThresholdIsCrossed) {
+  KvStore s;
+  std::vector<int> fired;
+  s.watchCounter("n", 2, [&] { fired.push_back(2); });
+  s.watchCounter("n", 3, [&] { fired.push_back(3); });
+  const auto gone = s.watchCounter("n", 3, [&] { fired.push_back(-1); });
+  s.unwatch(gone);
+  s.add("n", 1);
+  EXPECT_TRUE(fired.empty());
+  s.add("n", 1);
+  EXPECT_EQ(fired, std::vector<int>({2}));
+  s.add("n", 5);
+  EXPECT_EQ(fired, std::vector<int>({2, 3}));
+  EXPECT_EQ(s.watchCount(), 0u);
+}
+
 TEST(StoreService, GetAndWaitAskToWaitUntilTheKeysExist) {
   KvStore s;
   StoreService service(s);

@@ -213,3 +213,36 @@ TEST(StoreServerBind, ABusyPortIsANetworkErrorNamingIt) {
 
 }  // namespace
 }  // namespace fsdp::rendezvous
+
+namespace fsdp::rendezvous {
+namespace {
+
+TEST(StoreAddAndWait, EveryRankIsReleasedWhenTheLastArrives) {
+  StoreServer server(ServerOptions{});
+  constexpr int kRanks = 8;
+  std::vector<std::future<std::int64_t>> ranks;
+  for (int r = 0; r < kRanks; ++r) {
+    ranks.push_back(std::async(std::launch::async, [&] {
+      auto c = StoreClient::connect("127.0.0.1", server.port());
+      return c->addAndWait("init", 1, kRanks, std::chrono::seconds(10));
+    }));
+  }
+  for (auto& r : ranks) EXPECT_GE(r.get(), kRanks);
+}
+
+TEST(StoreAddAndWait, TimeoutSaysHowFarTheCounterGot) {
+  StoreServer server(ServerOptions{});
+  auto c = StoreClient::connect("127.0.0.1", server.port());
+  c->add("init", 2);
+  try {
+    c->addAndWait("init", 1, 5, std::chrono::milliseconds(100));
+    FAIL();
+  } catch (const TimeoutError& e) {
+    EXPECT_NE(std::string(e.what()).find("[init] at 3 of 5"), std::string::npos) << e.what();
+  }
+  // The timed-out waiter is gone: a later arrival does not touch a dead session.
+  EXPECT_EQ(c->addAndWait("init", 2, 5, std::chrono::seconds(1)), 5);
+}
+
+}  // namespace
+}  // namespace fsdp::rendezvous

@@ -40,6 +40,10 @@ class KvStore {
   // the store. Returns an id for unwatch().
   WatchId watch(const std::vector<std::string>& keys, std::function<void()> fire);
   void unwatch(WatchId id);
+  // Calls `fire` once, when the integer at `key` first reaches `target` (through add()).
+  // Only waiters whose threshold is crossed wake: a barrier of N ranks costs O(N log N), not
+  // N wake-ups per add.
+  WatchId watchCounter(const std::string& key, std::int64_t target, std::function<void()> fire);
   std::size_t watchCount() const { return watches_.size(); }
 
  private:
@@ -52,6 +56,9 @@ class KvStore {
   std::size_t bytes_ = 0;
   std::unordered_map<std::string, std::vector<WatchId>> byKey_;
   std::map<WatchId, Watch> watches_;
+  // Counter waiters per key, by threshold; a fired or removed id leaves watches_ too.
+  std::unordered_map<std::string, std::multimap<std::int64_t, WatchId>> counterWatches_;
+  void fireCounter(const std::string& key, std::int64_t value);
   WatchId nextId_ = 1;
 };
 

@@ -44,8 +44,10 @@ enum class Op : std::uint8_t {
   kEndRound = 16,   // value = reason; no reply (every member gets a ROUND_ENDED event)
   kCloseRun = 17,   // value = reason; no reply (everyone gets RUN_CLOSED)
   kEvent = 18,      // server to client only: number = EventKind, value = JSON or reason
+  kAddWait = 19,    // a counter barrier: keys[0] += number, then answered once the counter is
+                    // >= value (decimal) or timeout_ms passed; reply number = the counter
 };
-inline constexpr std::uint8_t kMaxOp = 18;
+inline constexpr std::uint8_t kMaxOp = 19;
 
 // The message a client MACs to authenticate: binds the token proof to this run and both
 // nonces, so a recorded proof cannot be replayed on another connection.

@@ -48,6 +48,11 @@ class StoreClient {
   std::string get(const std::string& key, std::chrono::milliseconds timeout);
   std::int64_t add(const std::string& key, std::int64_t delta);
   bool check(const std::vector<std::string>& keys);
+  // A barrier in one request: adds `delta` to the counter at `key`, then waits (server side)
+  // until it is >= `target`; returns the counter. Throws TimeoutError naming the key and the
+  // count reached. `fsdp` ranks use it for "all N arrived" (PyTorch's init/ key).
+  std::int64_t addAndWait(const std::string& key, std::int64_t delta, std::int64_t target,
+                          std::chrono::milliseconds timeout);
   // Waits until every key exists; throws TimeoutError naming the missing ones.
   void wait(const std::vector<std::string>& keys);
   void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout);
