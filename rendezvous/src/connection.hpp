@@ -9,6 +9,7 @@
 
 #include "fsdp/common/deadline.hpp"
 #include "fsdp/rendezvous/protocol.hpp"
+#include "fsdp/rendezvous/store_client.hpp"
 
 namespace fsdp::rendezvous::detail {
 
@@ -28,6 +29,15 @@ class Connection {
   // server refuses the token. Without a token, HELLO's reply is read with the first
   // request's, so "this server requires a token" surfaces there.
   static Connection open(const ConnectParams& params);
+  // The same, from a public client's options.
+  static Connection open(const std::string& host, std::uint16_t port, const ClientOptions& options) {
+    return open({.host = host,
+                 .port = port,
+                 .connectTimeout = options.connectTimeout,
+                 .runId = options.runId,
+                 .token = options.token,
+                 .limits = options.limits});
+  }
   Connection(Connection&& other) noexcept;
   Connection& operator=(Connection&&) = delete;
   Connection(const Connection&) = delete;

@@ -9,12 +9,7 @@ namespace fsdp::rendezvous {
 std::unique_ptr<RendezvousClient> RendezvousClient::connect(const std::string& host,
                                                             std::uint16_t port,
                                                             const ClientOptions& options) {
-  auto connection = detail::Connection::open({.host = host,
-                                              .port = port,
-                                              .connectTimeout = options.connectTimeout,
-                                              .runId = options.runId,
-                                              .token = options.token,
-                                              .limits = options.limits});
+  auto connection = detail::Connection::open(host, port, options);
   connection.completeHandshake(Deadline::after(options.connectTimeout));
   return std::unique_ptr<RendezvousClient>(
       new RendezvousClient(std::make_unique<detail::Connection>(std::move(connection))));

@@ -11,12 +11,7 @@ namespace fsdp::rendezvous {
 
 std::unique_ptr<StoreClient> StoreClient::connect(const std::string& host, std::uint16_t port,
                                                   ClientOptions options) {
-  auto connection = detail::Connection::open({.host = host,
-                                              .port = port,
-                                              .connectTimeout = options.connectTimeout,
-                                              .runId = options.runId,
-                                              .token = options.token,
-                                              .limits = options.limits});
+  auto connection = detail::Connection::open(host, port, options);
   return std::unique_ptr<StoreClient>(
       new StoreClient(std::make_unique<detail::Connection>(std::move(connection)), std::move(options)));
 }
