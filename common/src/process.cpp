@@ -250,7 +250,6 @@ std::optional<std::string> findExecutable(const std::string& program, std::strin
     std::string dir = dirs.substr(start, end - start);
     if (dir.empty()) dir = ".";
     const std::string candidate = dir + "/" + program;
-    std::string ignored;
     if (check(candidate)) return candidate;
     start = end + 1;
   }

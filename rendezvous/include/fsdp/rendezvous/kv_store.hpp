@@ -69,8 +69,6 @@ class StoreService {
  public:
   explicit StoreService(KvStore& store) : store_(store) {}
   std::optional<Response> tryHandle(const Request& request);
-  // The keys a waiting request waits for.
-  static const std::vector<std::string>& waitKeys(const Request& request) { return request.keys; }
 
  private:
   KvStore& store_;
