@@ -31,6 +31,9 @@ struct Bench {
 
 void emit(const nlohmann::json& line);
 
+// The path of this fsdp-bench binary (its siblings fsdprun and fsdprun-rdzv live beside it).
+std::string selfExe();
+
 // Median and percentiles of samples (sorted in place).
 double percentile(std::vector<double>& samples, double p);
 

@@ -25,13 +25,6 @@ double timeCommand(const std::vector<std::string>& argv) {
   return ms;
 }
 
-std::string selfDir() {
-  std::string path(4096, '\0');
-  const auto n = ::readlink("/proc/self/exe", path.data(), path.size() - 1);
-  if (n <= 0) throwErrno("readlink /proc/self/exe", errno);
-  path.resize(static_cast<std::size_t>(n));
-  return path.substr(0, path.rfind('/'));
-}
 
 }  // namespace
 
@@ -39,7 +32,8 @@ void launch(const Args& args) {
   const auto ns = args.ints("n", "1,2,4,8");
   const int reps = static_cast<int>(args.ints("reps", "5").front());
   const std::string torchrun = args.str("torchrun", "../shared/peer-torchrun/torchrun_fixed");
-  const std::string fsdprun = selfDir() + "/fsdprun";
+  const std::string exe = selfExe();
+  const std::string fsdprun = exe.substr(0, exe.rfind('/')) + "/fsdprun";
   const bool havePeer = ::access(torchrun.c_str(), R_OK) == 0 && ::access("/usr/bin/python3", X_OK) == 0;
   for (const long long n : ns) {
     std::vector<double> ours, peer;

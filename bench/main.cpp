@@ -1,5 +1,8 @@
 // fsdp-bench NAME [--flag value ...] | --list | --all
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <iostream>
 
 #include "bench.hpp"
@@ -32,6 +35,14 @@ std::string Args::str(const std::string& name, const std::string& fallback) cons
 }
 
 void emit(const nlohmann::json& line) { std::cout << line.dump() << std::endl; }
+
+std::string selfExe() {
+  std::string path(4096, '\0');
+  const auto n = ::readlink("/proc/self/exe", path.data(), path.size() - 1);
+  if (n <= 0) throwErrno("readlink /proc/self/exe", errno);
+  path.resize(static_cast<std::size_t>(n));
+  return path;
+}
 
 double percentile(std::vector<double>& samples, double p) {
   if (samples.empty()) return 0;

@@ -43,13 +43,6 @@ void raiseFdLimit() {
   }
 }
 
-std::string selfExe() {
-  std::string path(4096, '\0');
-  const auto n = ::readlink("/proc/self/exe", path.data(), path.size() - 1);
-  if (n <= 0) throwErrno("readlink /proc/self/exe", errno);
-  path.resize(static_cast<std::size_t>(n));
-  return path;
-}
 
 // A child process driven through its stdin and read through its stdout, line by line.
 class Helper {

@@ -244,7 +244,6 @@ AgentResult runStandalone(const LaunchOptions& options, const std::vector<std::s
       result.exitCode = 0;
       return result;
     }
-    if (!result.firstFailure) result.firstFailure = failure;
     if (attempt >= options.maxRestarts) {
       result.firstFailure = failure;
       result.exitCode = 1;

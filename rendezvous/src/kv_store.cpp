@@ -90,6 +90,18 @@ KvStore::WatchId KvStore::watch(const std::vector<std::string>& keys, std::funct
 void KvStore::unwatch(WatchId id) {
   const auto it = watches_.find(id);
   if (it == watches_.end()) return;
+  if (const auto& counter = it->second.counter) {
+    if (const auto c = counterWatches_.find(counter->first); c != counterWatches_.end()) {
+      auto [first, last] = c->second.equal_range(counter->second);
+      for (auto w = first; w != last; ++w) {
+        if (w->second == id) {
+          c->second.erase(w);
+          break;
+        }
+      }
+      if (c->second.empty()) counterWatches_.erase(c);
+    }
+  }
   for (const auto& key : it->second.keys) {
     const auto list = byKey_.find(key);
     if (list == byKey_.end()) continue;
@@ -102,7 +114,7 @@ void KvStore::unwatch(WatchId id) {
 KvStore::WatchId KvStore::watchCounter(const std::string& key, std::int64_t target,
                                        std::function<void()> fire) {
   const WatchId id = nextId_++;
-  watches_.emplace(id, Watch{{}, std::move(fire)});
+  watches_.emplace(id, Watch{{}, std::move(fire), std::make_pair(key, target)});
   counterWatches_[key].emplace(target, id);
   return id;
 }

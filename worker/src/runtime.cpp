@@ -68,7 +68,7 @@ std::unique_ptr<Runtime> init(const InitOptions& options) {
       *store, {.rank = env.rank,
                .size = env.worldSize,
                .localAddress = env.localAddress,
-               .storePrefix = "round/" + std::to_string(env.round) + "/gloo/world",
+               .storePrefix = Runtime::roundPrefixFor(env.round) + "gloo/world",
                .timeout = options.timeout});
   log::debug("connected: store {}, world {}", store->endpoint(), env.worldSize);
   return std::make_unique<Runtime>(std::move(env), std::move(store), std::move(comm));

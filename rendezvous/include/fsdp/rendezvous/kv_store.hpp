@@ -51,6 +51,7 @@ class KvStore {
   struct Watch {
     std::vector<std::string> keys;
     std::function<void()> fire;
+    std::optional<std::pair<std::string, std::int64_t>> counter;  // watchCounter's key, target
   };
   std::unordered_map<std::string, std::string> data_;
   std::size_t bytes_ = 0;

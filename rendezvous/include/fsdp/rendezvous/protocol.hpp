@@ -78,7 +78,7 @@ struct Request {
   std::vector<std::string> keys;
   std::string value;    // SET, APPEND, COMPARE_SET (expected); MULTI_SET: unused
   std::string value2;   // COMPARE_SET (desired)
-  std::vector<std::string> values;  // MULTI_SET values, one per key (sent in `value` frames)
+  std::vector<std::string> values;  // MULTI_SET values, one per key
   std::int64_t number = 0;          // ADD delta
   std::uint32_t timeoutMs = 0;      // GET, WAIT
 };

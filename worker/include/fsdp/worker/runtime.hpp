@@ -62,7 +62,8 @@ class Runtime {
   rendezvous::StoreClient& store() { return *store_; }
   // Store keys of this round live under this prefix ("round/<n>/"): a restarted round
   // never reads a stale value.
-  std::string roundPrefix() const { return "round/" + std::to_string(env_.round) + "/"; }
+  std::string roundPrefix() const { return roundPrefixFor(env_.round); }
+  static std::string roundPrefixFor(int round) { return "round/" + std::to_string(round) + "/"; }
 
  private:
   WorkerEnv env_;
