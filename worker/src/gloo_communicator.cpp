@@ -108,13 +108,14 @@ void dispatchType(at::ScalarType type, Fn&& fn) {
     case at::kFloat: return fn(float{});
     case at::kDouble: return fn(double{});
     case at::kHalf: return fn(gloo::float16{});
+    case at::kBFloat16: return fn(c10::BFloat16{});  // Gloo's templates reduce it via float
     case at::kInt: return fn(std::int32_t{});
     case at::kLong: return fn(std::int64_t{});
     case at::kByte: return fn(std::uint8_t{});
     case at::kChar: return fn(std::int8_t{});
     default:
       throw Error(std::string("Gloo communicator: dtype ") + c10::toString(type) +
-                  " is not supported (float32, float64, float16, int8/32/64, uint8 are)");
+                  " is not supported (float32, float64, float16, bfloat16, int8/32/64, uint8 are)");
   }
 }
 
@@ -148,6 +149,8 @@ class GlooCommunicator final : public Communicator {
 
   int rank() const override { return options_.rank; }
   int size() const override { return options_.size; }
+  c10::DeviceType deviceType() const override { return c10::DeviceType::CPU; }
+  const char* backendName() const override { return "Gloo"; }
 
   Work allReduce(at::Tensor tensor, ReduceOp op) override {
     check(tensor, "allReduce");

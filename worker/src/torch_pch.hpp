@@ -6,3 +6,5 @@
 #include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/optim/sgd.h>

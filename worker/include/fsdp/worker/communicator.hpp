@@ -40,6 +40,9 @@ class Communicator {
   virtual ~Communicator() = default;
   virtual int rank() const = 0;
   virtual int size() const = 0;
+  // The device whose tensors this communicator takes, and its name for messages ("Gloo").
+  virtual c10::DeviceType deviceType() const = 0;
+  virtual const char* backendName() const = 0;
 
   // In place on `tensor` (contiguous).
   virtual Work allReduce(at::Tensor tensor, ReduceOp op = ReduceOp::kSum) = 0;

@@ -1,0 +1,273 @@
+#pragma once
+// Fully sharded data parallel training for LibTorch modules.
+//
+//   auto rt = fsdp::init();
+//   fsdp::FullyShardedDataParallel model(MyNet(), rt->comm(),
+//       {.autoWrap = fsdp::AutoWrapPolicy::minParams(1'000'000)});
+//   torch::optim::Adam opt(model->parameters(), 1e-3);   // this rank's shards only
+//   auto loss = lossFn(model->forward(x), y);
+//   loss.backward();                                      // gradients reduce-scattered
+//   opt.step();
+//
+// How units are found. LibTorch modules have no forward hooks, so a unit boundary is a place
+// whose forward call FSDP controls:
+//   - the root (the module given to FullyShardedDataParallel);
+//   - an fsdp::Unit the model registers itself (a pass-through until the root shards it);
+//   - children of a torch::nn::Sequential (the root, or Sequentials nested in it) chosen by
+//     the auto-wrap policy: FSDP rebuilds those Sequentials with the children wrapped.
+// Parameters not inside a unit belong to the nearest enclosing unit (ultimately the root).
+//
+// Each unit flattens its parameters (one flat parameter per requires_grad group), pads it
+// to a multiple of the shard group's size and keeps only this rank's shard, an fp32 leaf the
+// optimizer steps. Before the unit runs, the shards are all-gathered into one full buffer
+// that the original parameter tensors point into; after use the buffer's memory is freed
+// (FULL_SHARD) and refilled before the unit's backward. Gradients land in a full-size
+// gradient buffer and are reduce-scattered (averaged) into the shard's .grad.
+//
+// Thread-safety: one model is used by one thread. Every rank must build the same model and
+// run the same forward/backward sequence (collectives are issued in that order).
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/pimpl.h>
+#include <torch/optim/optimizer.h>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "fsdp/worker/communicator.hpp"
+
+namespace fsdp::worker {
+
+enum class ShardingStrategy {
+  kFullShard,    // shard params, grads, optimizer state; free full params after forward
+  kShardGradOp,  // keep full params from forward until the unit's backward is done
+  kNoShard,      // replicate (DDP): all-reduce gradients
+  kHybridShard,  // FULL_SHARD inside the shard group (a node), replicate across nodes
+};
+// Parses FULL_SHARD|SHARD_GRAD_OP|NO_SHARD|HYBRID_SHARD; throws ConfigError naming the value.
+ShardingStrategy parseShardingStrategy(const std::string& text);
+const char* toString(ShardingStrategy strategy);
+
+enum class BackwardPrefetch {
+  kNone,
+  kPre,   // gather the next unit's parameters when this unit's backward starts
+  kPost,  // ... when this unit's gradients have been handed to the reduce-scatter
+};
+
+// Dtypes of the compute copy of the parameters, of the gradient reduction, and of buffers.
+// Unset means fp32 (the dtype of the parameters). Master shards and shard gradients stay
+// fp32 whatever is set here.
+struct MixedPrecision {
+  std::optional<at::ScalarType> paramDtype;
+  std::optional<at::ScalarType> reduceDtype;
+  std::optional<at::ScalarType> bufferDtype;
+  // no|bf16|fp16: param, reduce and buffer dtypes all set to that type (or none).
+  static MixedPrecision parse(const std::string& text);
+};
+
+// Decides which children of a Sequential become units. The predicate sees the module, its
+// path from the root ("3", "blocks.0") and the number of its parameters not already inside
+// a unit below it (children are wrapped first).
+struct AutoWrapPolicy {
+  std::function<bool(const torch::nn::Module&, const std::string& path, std::int64_t numParams)>
+      predicate;
+  // Units of at least `minNumParams` parameters (PyTorch's size_based_auto_wrap_policy).
+  static AutoWrapPolicy minParams(std::int64_t minNumParams);
+  // Modules whose type name (module.name(), with or without namespace and "Impl") is one of
+  // `typeNames` (PyTorch's transformer_auto_wrap_policy).
+  static AutoWrapPolicy byTypeName(std::vector<std::string> typeNames);
+  explicit operator bool() const { return static_cast<bool>(predicate); }
+};
+
+struct FsdpOptions {
+  ShardingStrategy strategy = ShardingStrategy::kFullShard;
+  AutoWrapPolicy autoWrap;
+  MixedPrecision mixedPrecision;
+  BackwardPrefetch backwardPrefetch = BackwardPrefetch::kPre;
+  bool forwardPrefetch = false;
+  // At most this many units' all-gathers issued ahead of use (prefetches wait their turn).
+  int limitAllGathers = 2;
+  // Broadcast rank 0's parameters and buffers before sharding.
+  bool syncModuleStates = false;
+  // Recompute each child unit's forward during its backward instead of keeping activations.
+  bool activationCheckpointing = false;
+  // Keep shards and shard gradients in host memory (CUDA only; CPU shards already are).
+  bool cpuOffload = false;
+  // HYBRID_SHARD: the ranks of this node, and the ranks with this local rank on every node
+  // (see makeHybridGroups). The communicator given to the constructor spans the world.
+  Communicator* shardGroup = nullptr;
+  Communicator* replicateGroup = nullptr;
+};
+
+namespace detail {
+class FsdpState;
+class FsdpBuilder;
+}  // namespace detail
+
+// A unit boundary a model declares itself. Until the root FSDP module shards it, it is a
+// plain pass-through to the wrapped module.
+class UnitImpl : public torch::nn::Module {
+ public:
+  explicit UnitImpl(torch::nn::AnyModule module);
+  explicit UnitImpl(torch::nn::Sequential module);
+  template <typename M>
+  explicit UnitImpl(M module) : UnitImpl(torch::nn::AnyModule(std::move(module))) {}
+  ~UnitImpl() override;
+
+  torch::Tensor forward(torch::Tensor input);
+  // For modules whose forward takes or returns something other than one tensor. A result
+  // that is not a tensor keeps the unit's full parameters until the end of backward.
+  template <typename Return = torch::Tensor, typename... Args>
+  Return call(Args&&... args) {
+    const bool active = enter();
+    Return result = sequential_ ? sequential_->forward<Return>(std::forward<Args>(args)...)
+                                : inner_.forward<Return>(std::forward<Args>(args)...);
+    if constexpr (std::is_same_v<Return, torch::Tensor>) {
+      return leave(std::move(result), active);
+    } else {
+      leaveOpaque(active);
+      return result;
+    }
+  }
+  std::shared_ptr<torch::nn::Module> inner() const { return inner_ptr_; }
+
+ private:
+  friend class detail::FsdpState;
+  friend class detail::FsdpBuilder;
+  friend class FullyShardedDataParallelImpl;
+  bool enter();
+  torch::Tensor leave(torch::Tensor output, bool active);
+  void leaveOpaque(bool active);
+  torch::Tensor runInner(torch::Tensor input);
+
+  torch::nn::AnyModule inner_;
+  torch::nn::Sequential sequential_{nullptr};
+  std::shared_ptr<torch::nn::Module> inner_ptr_;
+  detail::FsdpState* state_ = nullptr;  // set by the root that shards this unit
+  int index_ = -1;                      // this unit's index in the root's unit list
+};
+TORCH_MODULE(Unit);
+
+// What FSDP tells about one unit (for tests, logs and benchmarks).
+struct UnitInfo {
+  std::string path;            // "" for the root
+  std::int64_t numel = 0;      // parameters, unpadded
+  std::int64_t shardNumel = 0; // elements this rank holds (over all flat parameters)
+  bool unsharded = false;      // full parameters are materialised now
+  std::int64_t fullBytes = 0;  // bytes of full parameters allocated now
+};
+
+class FullyShardedDataParallelImpl : public torch::nn::Module {
+ public:
+  // `comm` spans the world and must outlive this module. Throws ConfigError for bad use
+  // (a module already wrapped, models that differ across ranks, tensors on a device the
+  // communicator does not serve, parameters shared between units).
+  FullyShardedDataParallelImpl(std::shared_ptr<UnitImpl> root, Communicator& comm,
+                               FsdpOptions options = {});
+  template <typename M>
+  FullyShardedDataParallelImpl(M module, Communicator& comm, FsdpOptions options = {})
+      : FullyShardedDataParallelImpl(std::make_shared<UnitImpl>(std::move(module)), comm,
+                                     std::move(options)) {}
+  ~FullyShardedDataParallelImpl() override;
+
+  torch::Tensor forward(torch::Tensor input);
+  template <typename Return = torch::Tensor, typename... Args>
+  Return call(Args&&... args) {
+    return rootUnit_->call<Return>(std::forward<Args>(args)...);
+  }
+
+  void train(bool on = true) override;
+  void pretty_print(std::ostream& stream) const override;
+
+  // Clips the gradient norm over all shards of all ranks; returns the total norm before
+  // clipping. normType 2 (default) or infinity.
+  double clipGradNorm(double maxNorm, double normType = 2.0);
+
+  // While the guard lives, backward accumulates full gradients locally and skips the
+  // reduce-scatter; the next backward outside a guard reduces everything accumulated.
+  class NoSyncGuard {
+   public:
+    explicit NoSyncGuard(detail::FsdpState& state);
+    ~NoSyncGuard();
+    NoSyncGuard(const NoSyncGuard&) = delete;
+    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+
+   private:
+    detail::FsdpState& state_;
+    bool previous_;
+  };
+  [[nodiscard]] NoSyncGuard noSync();
+
+  // The full fp32 parameters, gathered unit by unit, in the original module's order and with
+  // its names. Collective: every rank must call it.
+  std::vector<std::pair<std::string, at::Tensor>> fullParameters();
+
+  // Throws ConfigError if `optimizer` holds tensors that are not this model's shards (it was
+  // built before wrapping, or from the original module).
+  void checkOptimizer(const torch::optim::Optimizer& optimizer) const;
+
+  std::vector<UnitInfo> units() const;
+  const FsdpOptions& options() const;
+  std::shared_ptr<torch::nn::Module> module() const;
+
+ private:
+  std::unique_ptr<detail::FsdpState> state_;
+  std::shared_ptr<UnitImpl> rootUnit_;
+};
+
+// The holder users keep (like torch::nn::Linear for LinearImpl).
+class FullyShardedDataParallel : public torch::nn::ModuleHolder<FullyShardedDataParallelImpl> {
+ public:
+  FullyShardedDataParallel(std::nullptr_t) : ModuleHolder(nullptr) {}
+  explicit FullyShardedDataParallel(std::shared_ptr<FullyShardedDataParallelImpl> impl)
+      : ModuleHolder(std::move(impl)) {}
+  template <typename M>
+  FullyShardedDataParallel(M module, Communicator& comm, FsdpOptions options = {})
+      : ModuleHolder(std::make_shared<FullyShardedDataParallelImpl>(std::move(module), comm,
+                                                                    std::move(options))) {}
+};
+
+// The two communicators of HYBRID_SHARD for rank `rank` of a world made of nodes of
+// `localWorldSize` consecutive ranks, connected through `store` under `storePrefix`.
+struct HybridGroups {
+  std::unique_ptr<Communicator> shard;      // the ranks of this node
+  std::unique_ptr<Communicator> replicate;  // this local rank on every node
+};
+struct HybridGroupOptions {
+  int rank = 0;
+  int worldSize = 1;
+  int localWorldSize = 1;
+  std::string localAddress = "127.0.0.1";
+  std::string storePrefix = "hybrid";
+  std::chrono::milliseconds timeout{300000};
+};
+}  // namespace fsdp::worker
+namespace fsdp::rendezvous {
+class StoreClient;
+}
+namespace fsdp::worker {
+// Throws ConfigError when worldSize is not a multiple of localWorldSize.
+HybridGroups makeHybridGroups(rendezvous::StoreClient& store, const HybridGroupOptions& options);
+
+}  // namespace fsdp::worker
+
+namespace fsdp {
+using worker::AutoWrapPolicy;
+using worker::BackwardPrefetch;
+using worker::FsdpOptions;
+using worker::FullyShardedDataParallel;
+using worker::FullyShardedDataParallelImpl;
+using worker::MixedPrecision;
+using worker::ShardingStrategy;
+using worker::Unit;
+using worker::UnitImpl;
+}  // namespace fsdp
