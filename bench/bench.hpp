@@ -45,5 +45,8 @@ int rdzvJoinHelper(std::uint16_t port, int count, int total);
 int storeInitHelper(const std::string& server, std::uint16_t port, int count, int total);
 int c10dServer();
 void launch(const Args& args);
+void fsdpTrain(const Args& args);
+void collectives(const Args& args);
+int collectivesWorker(const std::string& mbList, int reps);
 
 }  // namespace fsdp::bench

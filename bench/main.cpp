@@ -76,6 +76,17 @@ int main(int argc, char** argv) {
        "(--n 1,2,4,8 --reps 5)",
        {"n", "reps", "torchrun"},
        launch},
+      {"fsdp_train",
+       "DeepNet (--model deep|shallow) for --steps on 2 ranks x 1 thread per FSDP strategy, one "
+       "LibTorch process x 2 threads, PyTorch DDP on Gloo 2 x 1 and PyTorch 1 x 2: samples/s and "
+       "peak RSS (--strategies FULL_SHARD,SHARD_GRAD_OP,NO_SHARD --batch_size 256)",
+       {"model", "steps", "batch_size", "strategies"},
+       fsdpTrain},
+      {"collectives",
+       "all-gather / reduce-scatter / all-reduce on 2 ranks, our Gloo communicator vs "
+       "torch.distributed Gloo (--mb 1,16,128 --reps 5)",
+       {"mb", "reps"},
+       collectives},
   };
   if (argc < 2) {
     std::cerr << "usage: fsdp-bench NAME [--flag value ...] | --list | --all\n";
@@ -91,6 +102,7 @@ int main(int argc, char** argv) {
                              std::stoi(argv[5]));
     }
     if (first == "c10d_server") return c10dServer();
+    if (first == "collectives_worker" && argc == 4) return collectivesWorker(argv[2], std::stoi(argv[3]));
   } catch (const std::exception& e) {
     std::cout << "error: " << e.what() << std::endl;
     return 1;

@@ -1,10 +1,8 @@
-// mnist: ShallowNet / DeepNet on Fashion-MNIST, data parallel over the ranks fsdprun started.
-// Every rank takes its slice of each global batch; gradients are averaged with one
-// all-reduce per step, so N ranks train exactly like one process with the same global batch.
+// mnist: ShallowNet / DeepNet on Fashion-MNIST under FSDP, over the ranks fsdprun started.
+// Every rank takes its slice of each global batch; FSDP averages the gradients over the
+// ranks, so N ranks train like one process with the same global batch.
 //
-//   fsdprun --standalone --nproc_per_node 2 build/bin/mnist --epochs 1
-#include <sys/resource.h>
-
+//   fsdprun --standalone --nproc_per_node 2 build/bin/mnist --epochs 1 --sharding FULL_SHARD
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
@@ -17,8 +15,9 @@
 
 #include "fashion_mnist.hpp"
 #include "fsdp/common/error.hpp"
-#include "fsdp/common/sha256.hpp"
+#include "fsdp/worker/fsdp.hpp"
 #include "fsdp/worker/runtime.hpp"
+#include "../common/example_utils.hpp"
 #include "models.hpp"
 
 namespace {
@@ -36,38 +35,17 @@ struct Flags {
   long long seed = 0;
   int logEvery = 50;
   std::string metricsFile;
+  std::string sharding = "FULL_SHARD";
+  long long minParams = 20000;  // the seed notebook's min_num_params
+  std::string mixedPrecision = "no";
+  bool noDropout = false;
+  bool noEval = false;
 };
 
-struct Model {
-  std::shared_ptr<torch::nn::Module> module;
-  std::function<torch::Tensor(const torch::Tensor&)> forward;
-};
-
-Model makeModel(const std::string& name) {
-  if (name == "shallow") {
-    fsdp::examples::ShallowNet net;
-    return {net.ptr(), [net](const torch::Tensor& x) mutable { return net->forward(x); }};
-  }
-  fsdp::examples::DeepNet net;
-  return {net.ptr(), [net](const torch::Tensor& x) mutable { return net->forward(x); }};
-}
-
-double peakRssMb() {
-  rusage usage{};
-  ::getrusage(RUSAGE_SELF, &usage);
-  return static_cast<double>(usage.ru_maxrss) / 1024.0;
-}
-
-// SHA-256 over every parameter's name and fp32 bytes, in registration order.
-std::string paramsSha256(torch::nn::Module& module) {
-  fsdp::Sha256 hash;
-  for (const auto& item : module.named_parameters()) {
-    hash.update(item.key());
-    const auto t = item.value().detach().to(torch::kFloat).contiguous();
-    hash.update(std::as_bytes(std::span(static_cast<const float*>(t.data_ptr()),
-                                        static_cast<std::size_t>(t.numel()))));
-  }
-  return hash.hexDigest();
+torch::nn::Sequential makeModel(const Flags& flags) {
+  const fsdp::examples::NetOptions options{.dropout = !flags.noDropout};
+  return flags.model == "shallow" ? fsdp::examples::makeShallowNet(options)
+                                  : fsdp::examples::makeDeepNet(options);
 }
 
 struct Eval {
@@ -76,9 +54,9 @@ struct Eval {
 };
 
 // Each rank scores its chunk of the test set; sums are all-reduced.
-Eval evaluate(Model& model, const Dataset& test, fsdp::Runtime& rt) {
+Eval evaluate(fsdp::FullyShardedDataParallel& model, const Dataset& test, fsdp::Runtime& rt) {
   torch::NoGradGuard noGrad;
-  model.module->eval();
+  model->eval();
   const auto counts = fsdp::worker::chunkSizes(test.images.size(0), rt.worldSize());
   std::int64_t begin = 0;
   for (int r = 0; r < rt.rank(); ++r) begin += counts[r];
@@ -87,7 +65,7 @@ Eval evaluate(Model& model, const Dataset& test, fsdp::Runtime& rt) {
   double correct = 0;
   for (std::int64_t i = begin; i < end; i += 1000) {
     const auto n = std::min<std::int64_t>(1000, end - i);
-    const auto out = model.forward(test.images.narrow(0, i, n));
+    const auto out = model->forward(test.images.narrow(0, i, n)).to(torch::kFloat);
     const auto labels = test.labels.narrow(0, i, n);
     lossSum += torch::nn::functional::nll_loss(
                    out, labels, torch::nn::functional::NLLLossFuncOptions().reduction(torch::kSum))
@@ -96,7 +74,7 @@ Eval evaluate(Model& model, const Dataset& test, fsdp::Runtime& rt) {
   }
   auto sums = torch::tensor({lossSum, correct, static_cast<double>(end - begin)}, torch::kDouble);
   rt.comm().allReduce(sums).wait();
-  model.module->train();
+  model->train();
   return {sums[0].item<double>() / sums[2].item<double>(), sums[1].item<double>() / sums[2].item<double>()};
 }
 
@@ -113,29 +91,22 @@ int run(const Flags& flags) {
   }
 
   torch::manual_seed(static_cast<std::uint64_t>(flags.seed));
-  Model model = makeModel(flags.model);
-  std::vector<torch::Tensor> params = model.module->parameters();
-  // Rank 0's initial weights everywhere (they already agree by seed; this makes it a contract).
-  {
-    torch::NoGradGuard noGrad;
-    auto flat = torch::cat([&] {
-      std::vector<torch::Tensor> views;
-      for (auto& p : params) views.push_back(p.view(-1));
-      return views;
-    }());
-    rt->comm().broadcast(flat, 0).wait();
-    std::int64_t offset = 0;
-    for (auto& p : params) {
-      p.view(-1).copy_(flat.narrow(0, offset, p.numel()));
-      offset += p.numel();
-    }
+  fsdp::FsdpOptions options{.strategy = fsdp::worker::parseShardingStrategy(flags.sharding),
+                            .mixedPrecision = fsdp::MixedPrecision::parse(flags.mixedPrecision),
+                            // Rank 0's initial weights everywhere (they agree by seed already;
+                            // this makes it a contract).
+                            .syncModuleStates = true};
+  if (flags.minParams > 0) options.autoWrap = fsdp::AutoWrapPolicy::minParams(flags.minParams);
+  fsdp::worker::HybridGroups groups;
+  if (options.strategy == fsdp::ShardingStrategy::kHybridShard) {
+    groups = fsdp::worker::makeHybridGroups(*rt);
+    options.shardGroup = groups.shard.get();
+    options.replicateGroup = groups.replicate.get();
   }
+  fsdp::FullyShardedDataParallel model(makeModel(flags), rt->comm(), options);
   // Dropout differs per rank, like it differs per sample in one process.
   torch::manual_seed(static_cast<std::uint64_t>(flags.seed) * 1000003u + 1 + rank);
-  torch::optim::Adam optimizer(params, torch::optim::AdamOptions(flags.lr));
-  std::int64_t numel = 0;
-  for (auto& p : params) numel += p.numel();
-  auto flatGrad = torch::zeros({numel});
+  torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(flags.lr));
 
   std::ofstream metrics;
   if (rank == 0 && !flags.metricsFile.empty()) {
@@ -172,29 +143,16 @@ int run(const Flags& flags) {
       const auto y = train.labels.index_select(0, idx);
 
       optimizer.zero_grad();
-      const auto out = model.forward(x);
-      // Sum over my samples / global batch: the all-reduced sum is the global mean.
+      const auto out = model->forward(x).to(torch::kFloat);
+      // FSDP averages gradients over the ranks: sum over my samples * world / global batch
+      // makes that average the global batch's mean.
       const auto loss = torch::nn::functional::nll_loss(
-                            out, y, torch::nn::functional::NLLLossFuncOptions().reduction(torch::kSum)) /
-                        static_cast<double>(global);
+                            out, y, torch::nn::functional::NLLLossFuncOptions().reduction(torch::kSum)) *
+                        (static_cast<double>(world) / static_cast<double>(global));
       loss.backward();
       {
-        torch::NoGradGuard noGrad;
-        std::int64_t offset = 0;
-        for (auto& p : params) {
-          flatGrad.narrow(0, offset, p.numel()).copy_(p.grad().view(-1));
-          offset += p.numel();
-        }
-        auto lossCopy = loss.detach().reshape({1}).clone();
-        auto gradWork = rt->comm().allReduce(flatGrad);
-        auto lossWork = rt->comm().allReduce(lossCopy);
-        gradWork.wait();
-        offset = 0;
-        for (auto& p : params) {
-          p.grad().view(-1).copy_(flatGrad.narrow(0, offset, p.numel()));
-          offset += p.numel();
-        }
-        lossWork.wait();
+        auto lossCopy = loss.detach().reshape({1}).to(torch::kDouble).div(world);
+        rt->comm().allReduce(lossCopy).wait();
         lossSum += lossCopy.item<double>();
         ++lossCount;
       }
@@ -209,7 +167,7 @@ int run(const Flags& flags) {
         std::fflush(stdout);
       }
     }
-    last = evaluate(model, test, *rt);
+    if (!flags.noEval) last = evaluate(model, test, *rt);
     if (rank == 0) {
       const double epochSeconds = std::chrono::duration<double>(Clock::now() - epochStart).count();
       std::printf("epoch %d: train_loss %.4f test_loss %.4f test_accuracy %.4f (%.1f s)\n", epoch,
@@ -230,11 +188,13 @@ int run(const Flags& flags) {
   }
 
   // Every rank computes its own hash; rank 0 prints the summary.
-  const std::string hash = paramsSha256(*model.module);
-  auto rss = torch::tensor({peakRssMb()}, torch::kDouble);
+  const std::string hash = fsdp::examples::paramsSha256(model);
+  auto rss = torch::tensor({fsdp::examples::peakRssMb()}, torch::kDouble);
   if (rank == 0) {
     nlohmann::json summary = {
         {"model", flags.model},
+        {"sharding", flags.sharding},
+        {"mixed_precision", flags.mixedPrecision},
         {"world_size", world},
         {"steps", step},
         {"test_accuracy", last.accuracy},
@@ -253,7 +213,7 @@ int run(const Flags& flags) {
 
 int main(int argc, char** argv) {
   Flags flags;
-  CLI::App app{"Fashion-MNIST training under fsdprun (data parallel)", "mnist"};
+  CLI::App app{"Fashion-MNIST training under fsdprun (FSDP)", "mnist"};
   app.add_option("--data", flags.data, "Directory with the Fashion-MNIST IDX files");
   app.add_option("--model", flags.model, "shallow or deep")
       ->check(CLI::IsMember({"shallow", "deep"}));
@@ -267,6 +227,15 @@ int main(int argc, char** argv) {
   app.add_option("--log_every,--log-every", flags.logEvery, "Print a line every N steps (0 = never)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--metrics_file,--metrics-file", flags.metricsFile, "JSONL metrics written by rank 0");
+  app.add_option("--sharding", flags.sharding, "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD")
+      ->check(CLI::IsMember({"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"}));
+  app.add_option("--min_params,--min-params", flags.minParams,
+                 "Auto-wrap layers with at least this many parameters as FSDP units (0 = root only)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--mixed_precision,--mixed-precision", flags.mixedPrecision, "no, bf16 or fp16")
+      ->check(CLI::IsMember({"no", "bf16", "fp16"}));
+  app.add_flag("--no_dropout,--no-dropout", flags.noDropout, "Leave dropout out (benchmarks)");
+  app.add_flag("--no_eval,--no-eval", flags.noEval, "Skip the test-set evaluation (benchmarks)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,71 +1,62 @@
 #pragma once
-// ShallowNet (1.2 M parameters) and DeepNet (94 M) from the seed notebook.
+// ShallowNet (1.2 M parameters) and DeepNet (94 M) from the seed notebook, as Sequentials:
+// FSDP's auto-wrap policy reaches the children of a root Sequential (LibTorch modules have
+// no forward hooks, so a unit boundary must be a call FSDP makes). Layer names, order and
+// initialisation are the notebook's.
 
-#include <torch/nn/functional/activation.h>
-#include <torch/nn/functional/pooling.h>
-#include <torch/nn/module.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/pooling.h>
 
 namespace fsdp::examples {
 
-class ShallowNetImpl : public torch::nn::Module {
- public:
-  ShallowNetImpl() {
-    conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 32, 3)));
-    conv2 = register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(32, 64, 3)));
-    dropout1 = register_module("dropout1", torch::nn::Dropout(0.25));
-    dropout2 = register_module("dropout2", torch::nn::Dropout(0.5));
-    fc1 = register_module("fc1", torch::nn::Linear(9216, 128));
-    fc2 = register_module("fc2", torch::nn::Linear(128, 10));
-  }
-  torch::Tensor forward(torch::Tensor x) {
-    namespace F = torch::nn::functional;
-    x = torch::relu(conv1(x));
-    x = torch::relu(conv2(x));
-    x = F::max_pool2d(x, F::MaxPool2dFuncOptions(2));
-    x = dropout1(x).flatten(1);
-    x = dropout2(torch::relu(fc1(x)));
-    return torch::log_softmax(fc2(x), 1);
-  }
-
-  torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
-  torch::nn::Dropout dropout1{nullptr}, dropout2{nullptr};
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+struct NetOptions {
+  bool dropout = true;  // off for benchmarks that compare step times
 };
-TORCH_MODULE(ShallowNet);
 
-class DeepNetImpl : public torch::nn::Module {
- public:
-  DeepNetImpl() {
-    conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 32, 3)));
-    conv2 = register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(32, 64, 3)));
-    dropout1 = register_module("dropout1", torch::nn::Dropout(0.25));
-    dropout2 = register_module("dropout2", torch::nn::Dropout(0.5));
-    fc1 = register_module("fc1", torch::nn::Linear(9216, 9000));
-    fc1a = register_module("fc1a", torch::nn::Linear(9000, 1000));
-    fc1b = register_module("fc1b", torch::nn::Linear(1000, 1000));
-    fc1c = register_module("fc1c", torch::nn::Linear(1000, 1000));
-    fc1d = register_module("fc1d", torch::nn::Linear(1000, 128));
-    fc2 = register_module("fc2", torch::nn::Linear(128, 10));
-  }
-  torch::Tensor forward(torch::Tensor x) {
-    namespace F = torch::nn::functional;
-    x = torch::relu(conv1(x));
-    x = torch::relu(conv2(x));
-    x = F::max_pool2d(x, F::MaxPool2dFuncOptions(2));
-    x = dropout1(x).flatten(1);
-    x = dropout2(torch::relu(fc1(x)));
-    x = fc1d(fc1c(fc1b(fc1a(x))));
-    return torch::log_softmax(fc2(x), 1);
-  }
+namespace detail {
+// conv1 -> relu -> conv2 -> relu -> maxpool -> dropout -> flatten: 9216 features.
+inline void addFeatures(torch::nn::Sequential& net, const NetOptions& options) {
+  using namespace torch::nn;
+  net->push_back("conv1", Conv2d(Conv2dOptions(1, 32, 3)));
+  net->push_back("relu1", ReLU());
+  net->push_back("conv2", Conv2d(Conv2dOptions(32, 64, 3)));
+  net->push_back("relu2", ReLU());
+  net->push_back("pool", MaxPool2d(MaxPool2dOptions(2)));
+  if (options.dropout) net->push_back("dropout1", Dropout(0.25));
+  net->push_back("flatten", Flatten());
+}
+}  // namespace detail
 
-  torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
-  torch::nn::Dropout dropout1{nullptr}, dropout2{nullptr};
-  torch::nn::Linear fc1{nullptr}, fc1a{nullptr}, fc1b{nullptr}, fc1c{nullptr}, fc1d{nullptr},
-      fc2{nullptr};
-};
-TORCH_MODULE(DeepNet);
+inline torch::nn::Sequential makeShallowNet(const NetOptions& options = {}) {
+  using namespace torch::nn;
+  Sequential net;
+  detail::addFeatures(net, options);
+  net->push_back("fc1", Linear(9216, 128));
+  net->push_back("relu3", ReLU());
+  if (options.dropout) net->push_back("dropout2", Dropout(0.5));
+  net->push_back("fc2", Linear(128, 10));
+  net->push_back("log_softmax", LogSoftmax(1));
+  return net;
+}
+
+inline torch::nn::Sequential makeDeepNet(const NetOptions& options = {}) {
+  using namespace torch::nn;
+  Sequential net;
+  detail::addFeatures(net, options);
+  net->push_back("fc1", Linear(9216, 9000));
+  net->push_back("relu3", ReLU());
+  if (options.dropout) net->push_back("dropout2", Dropout(0.5));
+  net->push_back("fc1a", Linear(9000, 1000));
+  net->push_back("fc1b", Linear(1000, 1000));
+  net->push_back("fc1c", Linear(1000, 1000));
+  net->push_back("fc1d", Linear(1000, 128));
+  net->push_back("fc2", Linear(128, 10));
+  net->push_back("log_softmax", LogSoftmax(1));
+  return net;
+}
 
 }  // namespace fsdp::examples

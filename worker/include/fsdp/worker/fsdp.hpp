@@ -257,6 +257,9 @@ class StoreClient;
 namespace fsdp::worker {
 // Throws ConfigError when worldSize is not a multiple of localWorldSize.
 HybridGroups makeHybridGroups(rendezvous::StoreClient& store, const HybridGroupOptions& options);
+class Runtime;
+// The groups of this worker's job: nodes as fsdprun started them (LOCAL_WORLD_SIZE ranks each).
+HybridGroups makeHybridGroups(Runtime& runtime);
 
 }  // namespace fsdp::worker
 

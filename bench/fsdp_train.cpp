@@ -1,0 +1,278 @@
+// fsdp_train and collectives: our FSDP and Gloo communicator against PyTorch 1.13
+// (python3-torch) on the same machine, in the same invocation.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <ATen/Functions.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "bench.hpp"
+#include "fsdp/common/error.hpp"
+#include "fsdp/common/process.hpp"
+#include "fsdp/worker/runtime.hpp"
+
+namespace fsdp::bench {
+namespace {
+
+std::string binDir() {
+  const std::string exe = selfExe();
+  return exe.substr(0, exe.rfind('/'));
+}
+
+std::string peerScript(const std::string& name) {
+  return std::string(FSDP_SOURCE_DIR) + "/bench/peer/" + name;
+}
+
+bool havePython() { return ::access("/usr/bin/python3", X_OK) == 0; }
+
+// Environment of this process with `overrides` (KEY=VALUE) replacing or adding entries.
+std::vector<std::string> environmentWith(const std::vector<std::string>& overrides) {
+  std::vector<std::string> env;
+  for (const auto& entry : currentEnvironment()) {
+    const auto key = entry.substr(0, entry.find('=') + 1);
+    const bool replaced = std::any_of(overrides.begin(), overrides.end(),
+                                      [&](const std::string& o) { return o.starts_with(key); });
+    if (!replaced) env.push_back(entry);
+  }
+  env.insert(env.end(), overrides.begin(), overrides.end());
+  return env;
+}
+
+struct Outcome {
+  bool ok = false;
+  std::vector<nlohmann::json> lines;  // every JSON object the processes printed
+  std::string error;
+};
+
+// Runs the processes (all at once) and collects the JSON lines of their stdout.
+Outcome runAll(const std::vector<SpawnOptions>& commands, std::chrono::seconds limit) {
+  std::vector<std::string> outputs;
+  std::vector<ChildProcess> children;
+  char dirTemplate[] = "/tmp/fsdp-bench-XXXXXX";
+  const std::string dir = ::mkdtemp(dirTemplate);
+  for (std::size_t i = 0; i < commands.size(); ++i) {
+    SpawnOptions options = commands[i];
+    outputs.push_back(dir + "/out" + std::to_string(i));
+    options.stdoutPath = outputs.back();
+    options.stderrPath = dir + "/err" + std::to_string(i);
+    children.push_back(ChildProcess::spawn(options));
+  }
+  Outcome outcome{.ok = true};
+  for (std::size_t i = 0; i < children.size(); ++i) {
+    const auto status = children[i].waitFor(limit);
+    if (!status || !WIFEXITED(*status) || WEXITSTATUS(*status) != 0) {
+      outcome.ok = false;
+      std::ifstream err(dir + "/err" + std::to_string(i));
+      std::stringstream text;
+      text << err.rdbuf();
+      const std::string all = text.str();
+      outcome.error = all.substr(all.size() > 400 ? all.size() - 400 : 0);
+    }
+  }
+  for (const auto& path : outputs) {
+    std::ifstream in(path);
+    std::string line;
+    while (std::getline(in, line)) {
+      if (line.starts_with("{")) {
+        try {
+          outcome.lines.push_back(nlohmann::json::parse(line));
+        } catch (const nlohmann::json::exception&) {
+          // a progress line that happens to start with a brace: not ours to report
+        }
+      }
+    }
+  }
+  std::filesystem::remove_all(dir);
+  return outcome;
+}
+
+std::uint16_t freePort() {
+  // Port 0 on loopback, read back, closed: the peer's TCPStore binds it right after.
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    const int err = errno;
+    if (fd >= 0) ::close(fd);
+    throwErrno("bench: finding a free port", err);
+  }
+  const auto port = ntohs(addr.sin_port);
+  ::close(fd);
+  return port;
+}
+
+// `world` python processes of a torch.distributed script (env:// rendezvous on loopback).
+std::vector<SpawnOptions> torchProcesses(const std::vector<std::string>& args, int world,
+                                         int threads) {
+  const auto port = std::to_string(freePort());
+  std::vector<SpawnOptions> commands;
+  for (int r = 0; r < world; ++r) {
+    std::vector<std::string> argv = {"/usr/bin/python3"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    commands.push_back({.argv = argv,
+                        .env = environmentWith({"RANK=" + std::to_string(r),
+                                                "WORLD_SIZE=" + std::to_string(world),
+                                                "LOCAL_RANK=" + std::to_string(r),
+                                                "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + port,
+                                                "OMP_NUM_THREADS=" + std::to_string(threads)})});
+  }
+  return commands;
+}
+
+const nlohmann::json* lastWith(const Outcome& outcome, const char* key) {
+  for (auto it = outcome.lines.rbegin(); it != outcome.lines.rend(); ++it) {
+    if (it->contains(key)) return &*it;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+void fsdpTrain(const Args& args) {
+  const std::string model = args.str("model", "deep");
+  const auto steps = args.ints("steps", "10").front();
+  const auto batch = args.ints("batch_size", "256").front();
+  std::stringstream strategies(args.str("strategies", "FULL_SHARD,SHARD_GRAD_OP,NO_SHARD"));
+  const std::string bin = binDir();
+  const std::vector<std::string> mnist = {bin + "/mnist", "--model", model, "--no_dropout",
+                                          "--no_eval", "--log_every", "0", "--max_steps",
+                                          std::to_string(steps), "--batch_size",
+                                          std::to_string(batch)};
+  const auto limit = std::chrono::seconds(1800);
+  double fullShard = 0;
+  double ddp = 0;
+  const auto report = [&](const std::string& impl, const std::string& sharding, int ranks,
+                          int threads, const Outcome& outcome) -> double {
+    nlohmann::json line = {{"bench", "fsdp_train"}, {"impl", impl},   {"model", model},
+                           {"sharding", sharding},  {"ranks", ranks}, {"threads_per_rank", threads},
+                           {"global_batch", batch}, {"steps", steps}};
+    const auto* result = lastWith(outcome, "train_samples_per_s");
+    if (!outcome.ok || result == nullptr) {
+      line["error"] = outcome.error.empty() ? "no result line" : outcome.error;
+      emit(line);
+      return 0;
+    }
+    line["samples_per_s"] = (*result)["train_samples_per_s"];
+    line["peak_rss_mb_rank0"] = (*result)["peak_rss_mb"];
+    emit(line);
+    return (*result)["train_samples_per_s"].get<double>();
+  };
+  std::string sharding;
+  while (std::getline(strategies, sharding, ',')) {
+    std::vector<std::string> argv = {bin + "/fsdprun", "--standalone", "--nproc_per_node", "2"};
+    argv.insert(argv.end(), mnist.begin(), mnist.end());
+    argv.insert(argv.end(), {"--sharding", sharding});
+    const double rate = report("fsdp", sharding, 2, 1,
+                               runAll({{.argv = argv, .env = environmentWith({"OMP_NUM_THREADS=1"})}}, limit));
+    if (sharding == "FULL_SHARD") fullShard = rate;
+  }
+  {
+    std::vector<std::string> argv = {bin + "/fsdprun", "--standalone", "--nproc_per_node", "1"};
+    argv.insert(argv.end(), mnist.begin(), mnist.end());
+    report("libtorch_single", "-", 1, 2,
+           runAll({{.argv = argv, .env = environmentWith({"OMP_NUM_THREADS=2"})}}, limit));
+  }
+  if (!havePython()) {
+    emit({{"bench", "fsdp_train"}, {"impl", "pytorch"}, {"error", "unavailable: needs python3-torch"}});
+    return;
+  }
+  const std::vector<std::string> script = {peerScript("mnist_torch.py"), "--model", model,
+                                           "--steps", std::to_string(steps), "--batch_size",
+                                           std::to_string(batch)};
+  auto ddpArgs = script;
+  ddpArgs.insert(ddpArgs.end(), {"--threads", "1"});
+  ddp = report("pytorch_ddp_gloo", "-", 2, 1, runAll(torchProcesses(ddpArgs, 2, 1), limit));
+  auto singleArgs = script;
+  singleArgs.insert(singleArgs.end(), {"--threads", "2"});
+  report("pytorch_single", "-", 1, 2, runAll(torchProcesses(singleArgs, 1, 2), limit));
+  if (fullShard > 0 && ddp > 0) {
+    emit({{"bench", "fsdp_train"}, {"compare", "FULL_SHARD vs pytorch DDP (2 ranks)"},
+          {"model", model}, {"speedup", fullShard / ddp}});
+  }
+}
+
+void collectives(const Args& args) {
+  const auto sizes = args.ints("mb", "1,16,128");
+  const auto reps = args.ints("reps", "5").front();
+  std::string mb;
+  for (const auto s : sizes) mb += (mb.empty() ? "" : ",") + std::to_string(s);
+  const auto limit = std::chrono::seconds(900);
+  const auto ours = runAll({{.argv = {binDir() + "/fsdprun", "--standalone", "--nproc_per_node", "2",
+                                      selfExe(), "collectives_worker", mb, std::to_string(reps)},
+                             .env = environmentWith({"OMP_NUM_THREADS=1"})}},
+                           limit);
+  if (!ours.ok) emit({{"bench", "collectives"}, {"impl", "fsdp_gloo"}, {"error", ours.error}});
+  for (const auto& line : ours.lines) emit(line);
+  if (!havePython()) return;
+  const auto peer = runAll(torchProcesses({peerScript("collectives_torch.py"), "--mb", mb, "--reps",
+                                           std::to_string(reps)},
+                                          2, 1),
+                           limit);
+  if (!peer.ok) emit({{"bench", "collectives"}, {"impl", "torch_gloo"}, {"error", peer.error}});
+  for (const auto& line : peer.lines) emit(line);
+  // Ratios: torch's time / ours, per operation and size.
+  for (const auto& o : ours.lines) {
+    for (const auto& p : peer.lines) {
+      if (o.value("mb", -1) == p.value("mb", -2) && o.value("op", "") == p.value("op", "x")) {
+        emit({{"bench", "collectives"}, {"compare", o["op"]}, {"mb", o["mb"]},
+              {"torch_method", p["method"]},
+              {"speedup", p["ms_median"].get<double>() / o["ms_median"].get<double>()}});
+      }
+    }
+  }
+}
+
+// Runs as each rank under fsdprun: times our communicator, rank 0 prints JSON lines.
+int collectivesWorker(const std::string& mbList, int reps) {
+  auto rt = fsdp::init();
+  auto& comm = rt->comm();
+  const int world = comm.size();
+  std::stringstream list(mbList);
+  std::string item;
+  while (std::getline(list, item, ',')) {
+    const long long mb = std::stoll(item);
+    const std::int64_t n = mb * (1 << 20) / 4 / world * world;
+    const auto full = at::ones({n});
+    const auto shard = at::ones({n / world});
+    auto out = at::empty({n});
+    auto outShard = at::empty({n / world});
+    const std::vector<std::pair<std::string, std::function<void()>>> ops = {
+        {"all_gather", [&] { comm.allGather(shard, out).wait(); }},
+        {"reduce_scatter", [&] { comm.reduceScatter(full, outShard).wait(); }},
+        {"all_reduce", [&] { out.copy_(full); comm.allReduce(out).wait(); }},
+    };
+    for (const auto& [name, fn] : ops) {
+      fn();  // warm-up
+      std::vector<double> ms;
+      for (int r = 0; r < reps; ++r) {
+        comm.barrier().wait();
+        const auto start = std::chrono::steady_clock::now();
+        fn();
+        ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+      }
+      if (rt->rank() == 0) {
+        const double median = percentile(ms, 0.5);
+        emit({{"bench", "collectives"}, {"impl", "fsdp_gloo"}, {"op", name}, {"mb", mb},
+              {"ranks", world}, {"method", "gloo algorithm"}, {"ms_median", median},
+              {"gb_per_s", static_cast<double>(n * 4) / (median * 1e6)}});
+      }
+    }
+  }
+  comm.barrier().wait();
+  return 0;
+}
+
+}  // namespace fsdp::bench

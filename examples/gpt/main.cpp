@@ -1,0 +1,330 @@
+// gpt: a minGPT-style character-level language model trained under FSDP on real English text
+// (Debian's fortunes), each transformer block an FSDP unit; prints sampled text at the end.
+//
+//   fsdprun --standalone --nproc_per_node 2 build/bin/gpt --max_steps 300
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <torch/nn/functional/loss.h>
+#include <torch/optim/adamw.h>
+
+#include "../common/example_utils.hpp"
+#include "fsdp/common/error.hpp"
+#include "fsdp/worker/fsdp.hpp"
+#include "fsdp/worker/runtime.hpp"
+#include "model.hpp"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Flags {
+  std::string data = "/usr/share/games/fortunes";
+  std::int64_t nLayer = 4, nHead = 4, nEmbd = 128, blockSize = 128;
+  int batchSize = 32;  // global, in sequences
+  long long maxSteps = 300;
+  double lr = 1e-3;
+  long long seed = 0;
+  int evalEvery = 100;
+  int evalBatches = 8;
+  int logEvery = 50;
+  int sampleChars = 300;
+  std::string sharding = "FULL_SHARD";
+  std::string mixedPrecision = "no";
+  bool checkpointing = false;
+  std::string metricsFile;
+};
+
+// Every regular text file under `path` (or `path` itself), fortune index files (.dat) left out.
+std::string readCorpus(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::vector<fs::path> files;
+  std::error_code ec;
+  if (fs::is_regular_file(path, ec)) {
+    files.emplace_back(path);
+  } else if (fs::is_directory(path, ec)) {
+    for (const auto& entry : fs::recursive_directory_iterator(path, ec)) {
+      if (entry.is_regular_file() && entry.path().extension() != ".dat" &&
+          entry.path().extension() != ".u8") {
+        files.push_back(entry.path());
+      }
+    }
+    std::sort(files.begin(), files.end());
+  }
+  std::string text;
+  for (const auto& f : files) {
+    std::ifstream in(f, std::ios::binary);
+    text.append(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  if (text.size() < 10000) {
+    throw fsdp::ConfigError("--data '" + path + "': expected text files with at least 10000 bytes (" +
+                            std::to_string(text.size()) + " found; apt-get install fortunes)");
+  }
+  return text;
+}
+
+struct Corpus {
+  std::vector<unsigned char> alphabet;  // token id -> byte
+  at::Tensor train, val;                // token ids (kLong)
+  double unigramLoss = 0;               // val cross-entropy under train character frequencies
+};
+
+Corpus tokenize(const std::string& text) {
+  Corpus c;
+  std::set<unsigned char> seen(text.begin(), text.end());
+  c.alphabet.assign(seen.begin(), seen.end());
+  std::array<std::int64_t, 256> id{};
+  for (std::size_t i = 0; i < c.alphabet.size(); ++i) id[c.alphabet[i]] = static_cast<std::int64_t>(i);
+  auto all = at::empty({static_cast<std::int64_t>(text.size())}, at::kLong);
+  auto* p = all.data_ptr<std::int64_t>();
+  for (std::size_t i = 0; i < text.size(); ++i) p[i] = id[static_cast<unsigned char>(text[i])];
+  const auto split = all.size(0) * 9 / 10;
+  c.train = all.narrow(0, 0, split);
+  c.val = all.narrow(0, split, all.size(0) - split);
+  const auto vocab = static_cast<std::int64_t>(c.alphabet.size());
+  const auto freq = at::bincount(c.train, {}, vocab).to(at::kDouble).add_(1).div_(c.train.size(0) + vocab);
+  c.unigramLoss = -freq.log().index_select(0, c.val).mean().item<double>();
+  return c;
+}
+
+// This rank's slice of a global batch of random windows (the same windows on every rank).
+std::pair<at::Tensor, at::Tensor> batch(const at::Tensor& data, int global, std::int64_t block,
+                                        at::Generator& gen, int rank, int world) {
+  const auto starts = at::randint(data.size(0) - block - 1, {global}, gen, at::kLong);
+  const auto counts = fsdp::worker::chunkSizes(global, world);
+  std::int64_t first = 0;
+  for (int r = 0; r < rank; ++r) first += counts[r];
+  std::vector<at::Tensor> xs, ys;
+  for (std::int64_t i = first; i < first + counts[rank]; ++i) {
+    const auto s = starts[i].item<std::int64_t>();
+    xs.push_back(data.narrow(0, s, block));
+    ys.push_back(data.narrow(0, s + 1, block));
+  }
+  return {at::stack(xs), at::stack(ys)};
+}
+
+struct Eval {
+  double loss = 0;
+  double accuracy = 0;
+};
+
+Eval evaluate(fsdp::FullyShardedDataParallel& model, const Corpus& c, const Flags& f,
+              fsdp::Runtime& rt) {
+  at::NoGradGuard noGrad;
+  model->eval();
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(12345);  // the same windows every time
+  double loss = 0, correct = 0, tokens = 0;
+  for (int i = 0; i < f.evalBatches; ++i) {
+    const auto [x, y] = batch(c.val, f.batchSize, f.blockSize, gen, rt.rank(), rt.worldSize());
+    const auto logits = model->forward(x).to(at::kFloat).view({-1, static_cast<std::int64_t>(c.alphabet.size())});
+    loss += torch::nn::functional::cross_entropy(
+                logits, y.view(-1), torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
+                .item<double>();
+    correct += logits.argmax(1).eq(y.view(-1)).sum().item<double>();
+    tokens += static_cast<double>(y.numel());
+  }
+  auto sums = at::tensor({loss, correct, tokens}, at::kDouble);
+  rt.comm().allReduce(sums).wait();
+  model->train();
+  return {sums[0].item<double>() / sums[2].item<double>(), sums[1].item<double>() / sums[2].item<double>()};
+}
+
+// Every rank runs the model (its forward is collective); rank 0 draws and broadcasts.
+std::string sample(fsdp::FullyShardedDataParallel& model, const Corpus& c, const Flags& f,
+                   fsdp::Runtime& rt) {
+  at::NoGradGuard noGrad;
+  model->eval();
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<std::uint64_t>(f.seed) + 7);
+  std::vector<std::int64_t> context = {0};
+  for (std::size_t i = 0; i < c.alphabet.size(); ++i) {
+    if (c.alphabet[i] == '\n') context = {static_cast<std::int64_t>(i)};
+  }
+  std::string out;
+  for (int i = 0; i < f.sampleChars; ++i) {
+    const auto start = context.size() > static_cast<std::size_t>(f.blockSize) ? context.size() - f.blockSize : 0;
+    const auto x = at::tensor(std::vector<std::int64_t>(context.begin() + static_cast<std::ptrdiff_t>(start), context.end()),
+                              at::kLong).unsqueeze(0);
+    const auto logits = model->forward(x).to(at::kFloat)[0][-1];
+    auto next = at::multinomial(at::softmax(logits / 0.8, -1), 1, false, gen).to(at::kLong);
+    rt.comm().broadcast(next, 0).wait();
+    const auto token = next.item<std::int64_t>();
+    context.push_back(token);
+    out.push_back(static_cast<char>(c.alphabet[static_cast<std::size_t>(token)]));
+  }
+  model->train();
+  return out;
+}
+
+int run(const Flags& f) {
+  const Corpus corpus = tokenize(readCorpus(f.data));
+  auto rt = fsdp::init();
+  const int rank = rt->rank(), world = rt->worldSize();
+  if (f.batchSize < world) {
+    throw fsdp::ConfigError("--batch_size " + std::to_string(f.batchSize) +
+                            ": must be at least the world size " + std::to_string(world));
+  }
+  if (f.nEmbd % f.nHead != 0) {
+    throw fsdp::ConfigError("--n_embd " + std::to_string(f.nEmbd) + " is not a multiple of --n_head " +
+                            std::to_string(f.nHead));
+  }
+  torch::manual_seed(static_cast<std::uint64_t>(f.seed));
+  const fsdp::examples::GptConfig config{.vocabSize = static_cast<std::int64_t>(corpus.alphabet.size()),
+                                         .blockSize = f.blockSize,
+                                         .nLayer = f.nLayer,
+                                         .nHead = f.nHead,
+                                         .nEmbd = f.nEmbd};
+  fsdp::FsdpOptions options{.strategy = fsdp::worker::parseShardingStrategy(f.sharding),
+                            .autoWrap = fsdp::AutoWrapPolicy::byTypeName({"Block"}),
+                            .mixedPrecision = fsdp::MixedPrecision::parse(f.mixedPrecision),
+                            .syncModuleStates = true,
+                            .activationCheckpointing = f.checkpointing};
+  fsdp::worker::HybridGroups groups;
+  if (options.strategy == fsdp::ShardingStrategy::kHybridShard) {
+    groups = fsdp::worker::makeHybridGroups(*rt);
+    options.shardGroup = groups.shard.get();
+    options.replicateGroup = groups.replicate.get();
+  }
+  fsdp::FullyShardedDataParallel model(fsdp::examples::makeGpt(config), rt->comm(), options);
+  std::int64_t numParams = 0;
+  for (const auto& u : model->units()) numParams += u.numel;
+  torch::optim::AdamW optimizer(model->parameters(),
+                                torch::optim::AdamWOptions(f.lr).weight_decay(0.01));
+  std::ofstream metrics;
+  if (rank == 0 && !f.metricsFile.empty()) {
+    metrics.open(f.metricsFile);
+    if (!metrics) throw fsdp::ConfigError("--metrics_file '" + f.metricsFile + "': cannot write");
+  }
+  if (rank == 0) {
+    std::printf("gpt: %lld parameters, %zu characters, %lld train tokens, unigram val loss %.4f\n",
+                static_cast<long long>(numParams), corpus.alphabet.size(),
+                static_cast<long long>(corpus.train.size(0)), corpus.unigramLoss);
+    std::fflush(stdout);
+  }
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<std::uint64_t>(f.seed) + 1);
+  double seconds = 0, lossSum = 0;
+  long long step = 0, tokens = 0, lossCount = 0;
+  Eval last;
+  while (step < f.maxSteps) {
+    const auto start = Clock::now();
+    const auto [x, y] = batch(corpus.train, f.batchSize, f.blockSize, gen, rank, world);
+    optimizer.zero_grad();
+    const auto logits = model->forward(x).to(at::kFloat);
+    // Sum over my tokens * world / global tokens: FSDP's average over ranks is the global mean.
+    const auto loss = torch::nn::functional::cross_entropy(
+                          logits.view({-1, config.vocabSize}), y.view(-1),
+                          torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) *
+                      (static_cast<double>(world) / static_cast<double>(f.batchSize * f.blockSize));
+    loss.backward();
+    model->clipGradNorm(1.0);
+    optimizer.step();
+    ++step;
+    auto lossCopy = loss.detach().reshape({1}).to(at::kDouble).div(world);
+    rt->comm().allReduce(lossCopy).wait();
+    lossSum += lossCopy.item<double>();
+    ++lossCount;
+    seconds += std::chrono::duration<double>(Clock::now() - start).count();
+    tokens += static_cast<long long>(f.batchSize) * f.blockSize;
+    if (rank == 0 && f.logEvery > 0 && step % f.logEvery == 0) {
+      std::printf("step %lld/%lld loss %.4f (%.0f tokens/s)\n", step, f.maxSteps,
+                  lossSum / static_cast<double>(lossCount), static_cast<double>(tokens) / seconds);
+      std::fflush(stdout);
+      if (metrics.is_open()) {
+        metrics << nlohmann::json{{"kind", "train"}, {"step", step},
+                                  {"train_loss", lossSum / static_cast<double>(lossCount)},
+                                  {"tokens_per_s", static_cast<double>(tokens) / seconds}}
+                       .dump()
+                << '\n';
+      }
+      lossSum = 0;
+      lossCount = 0;
+    }
+    if ((f.evalEvery > 0 && step % f.evalEvery == 0) || step == f.maxSteps) {
+      last = evaluate(model, corpus, f, *rt);
+      if (rank == 0) {
+        std::printf("step %lld: val_loss %.4f (unigram baseline %.4f) val_accuracy %.4f\n", step,
+                    last.loss, corpus.unigramLoss, last.accuracy);
+        std::fflush(stdout);
+        if (metrics.is_open()) {
+          metrics << nlohmann::json{{"kind", "eval"}, {"step", step}, {"val_loss", last.loss},
+                                    {"val_accuracy", last.accuracy}, {"unigram_loss", corpus.unigramLoss}}
+                         .dump()
+                  << '\n';
+        }
+      }
+    }
+  }
+  const std::string text = f.sampleChars > 0 ? sample(model, corpus, f, *rt) : "";
+  const std::string hash = fsdp::examples::paramsSha256(model);
+  if (rank == 0) {
+    if (!text.empty()) std::printf("--- sample ---\n%s\n--- end of sample ---\n", text.c_str());
+    std::cout << nlohmann::json{{"model", "gpt"},
+                                {"parameters", numParams},
+                                {"sharding", f.sharding},
+                                {"mixed_precision", f.mixedPrecision},
+                                {"activation_checkpointing", f.checkpointing},
+                                {"world_size", world},
+                                {"steps", step},
+                                {"test_loss", last.loss},
+                                {"test_accuracy", last.accuracy},
+                                {"unigram_loss", corpus.unigramLoss},
+                                {"train_tokens_per_s", seconds > 0 ? static_cast<double>(tokens) / seconds : 0.0},
+                                {"train_samples_per_s", seconds > 0 ? static_cast<double>(step * f.batchSize) / seconds : 0.0},
+                                {"peak_rss_mb", fsdp::examples::peakRssMb()},
+                                {"params_sha256", hash}}
+                     .dump()
+              << std::endl;
+  }
+  rt->comm().barrier().wait();
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Flags f;
+  CLI::App app{"Character-level GPT under fsdprun (FSDP, one unit per transformer block)", "gpt"};
+  app.add_option("--data", f.data, "A text file or a directory of them (default: Debian's fortunes)");
+  app.add_option("--n_layer,--n-layer", f.nLayer, "Transformer blocks")->check(CLI::PositiveNumber);
+  app.add_option("--n_head,--n-head", f.nHead, "Attention heads")->check(CLI::PositiveNumber);
+  app.add_option("--n_embd,--n-embd", f.nEmbd, "Embedding width")->check(CLI::PositiveNumber);
+  app.add_option("--block_size,--block-size", f.blockSize, "Context length")->check(CLI::PositiveNumber);
+  app.add_option("--batch_size,--batch-size", f.batchSize, "Global batch (sequences)")->check(CLI::PositiveNumber);
+  app.add_option("--max_steps,--max-steps", f.maxSteps, "Training steps")->check(CLI::PositiveNumber);
+  app.add_option("--lr", f.lr, "AdamW learning rate")->check(CLI::PositiveNumber);
+  app.add_option("--seed", f.seed, "Seed of initialisation, batches and sampling");
+  app.add_option("--eval_every,--eval-every", f.evalEvery, "Evaluate every N steps (0 = at the end)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--eval_batches,--eval-batches", f.evalBatches, "Validation batches per evaluation")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--log_every,--log-every", f.logEvery, "Print a line every N steps (0 = never)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--sample_chars,--sample-chars", f.sampleChars, "Characters sampled at the end")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--sharding", f.sharding, "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD")
+      ->check(CLI::IsMember({"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"}));
+  app.add_option("--mixed_precision,--mixed-precision", f.mixedPrecision, "no, bf16 or fp16")
+      ->check(CLI::IsMember({"no", "bf16", "fp16"}));
+  app.add_flag("--activation_checkpointing,--activation-checkpointing", f.checkpointing,
+               "Recompute each block's forward during backward");
+  app.add_option("--metrics_file,--metrics-file", f.metricsFile, "JSONL metrics written by rank 0");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    return run(f);
+  } catch (const fsdp::ConfigError& e) {
+    std::cerr << "gpt: error: " + std::string(e.what()) + "\n" << std::flush;
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "gpt: error: " + std::string(e.what()) + "\n" << std::flush;
+    return 1;
+  }
+}
