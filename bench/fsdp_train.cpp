@@ -141,8 +141,55 @@ const nlohmann::json* lastWith(const Outcome& outcome, const char* key) {
 
 }  // namespace
 
+// The gpt example at GPT-2-small width (12 layers, d=768): FULL_SHARD on 2 ranks against one
+// process with the same global batch, for the per-rank memory FSDP saves.
+void gptTrain(const Args& args) {
+  const auto steps = args.ints("steps", "3").front();
+  const auto batch = args.ints("batch_size", "16").front();
+  const std::string bin = binDir();
+  const std::vector<std::string> gpt = {bin + "/gpt", "--n_layer", "12", "--n_head", "12",
+                                        "--n_embd", "768", "--block_size", "128", "--batch_size",
+                                        std::to_string(batch), "--max_steps", std::to_string(steps),
+                                        "--eval_every", "0", "--eval_batches", "1", "--sample_chars",
+                                        "0", "--log_every", "0"};
+  const auto limit = std::chrono::seconds(1800);
+  std::stringstream strategies(args.str("strategies", "FULL_SHARD"));
+  const auto one = [&](const std::string& impl, const std::string& sharding, int ranks, int threads) {
+    std::vector<std::string> argv = {bin + "/fsdprun", "--standalone", "--nproc_per_node",
+                                     std::to_string(ranks)};
+    argv.insert(argv.end(), gpt.begin(), gpt.end());
+    argv.insert(argv.end(), {"--sharding", sharding});
+    const auto outcome = runAll(
+        {{.argv = argv, .env = environmentWith({"OMP_NUM_THREADS=" + std::to_string(threads)})}}, limit);
+    nlohmann::json line = {{"bench", "fsdp_train"}, {"impl", impl},   {"model", "gpt"},
+                           {"sharding", sharding},  {"ranks", ranks}, {"threads_per_rank", threads},
+                           {"global_batch", batch}, {"block_size", 128}, {"steps", steps}};
+    const auto* result = lastWith(outcome, "train_samples_per_s");
+    if (!outcome.ok || result == nullptr) {
+      line["error"] = outcome.error.empty() ? "no result line" : outcome.error;
+      emit(line);
+      return 0.0;
+    }
+    line["parameters"] = (*result)["parameters"];
+    line["samples_per_s"] = (*result)["train_samples_per_s"];
+    line["peak_rss_mb_rank0"] = (*result)["peak_rss_mb"];
+    emit(line);
+    return (*result)["peak_rss_mb"].get<double>();
+  };
+  const double single = one("libtorch_single", "FULL_SHARD", 1, 2);
+  std::string sharding;
+  while (std::getline(strategies, sharding, ',')) {
+    const double sharded = one("fsdp", sharding, 2, 1);
+    if (single > 0 && sharded > 0) {
+      emit({{"bench", "fsdp_train"}, {"compare", sharding + " per-rank peak RSS / one process"},
+            {"model", "gpt"}, {"ratio", sharded / single}});
+    }
+  }
+}
+
 void fsdpTrain(const Args& args) {
   const std::string model = args.str("model", "deep");
+  if (model == "gpt") return gptTrain(args);
   const auto steps = args.ints("steps", "10").front();
   const auto batch = args.ints("batch_size", "256").front();
   std::stringstream strategies(args.str("strategies", "FULL_SHARD,SHARD_GRAD_OP,NO_SHARD"));

@@ -77,9 +77,10 @@ int main(int argc, char** argv) {
        {"n", "reps", "torchrun"},
        launch},
       {"fsdp_train",
-       "DeepNet (--model deep|shallow) for --steps on 2 ranks x 1 thread per FSDP strategy, one "
+       "DeepNet (--model deep|shallow|gpt) for --steps on 2 ranks x 1 thread per FSDP strategy, one "
        "LibTorch process x 2 threads, PyTorch DDP on Gloo 2 x 1 and PyTorch 1 x 2: samples/s and "
-       "peak RSS (--strategies FULL_SHARD,SHARD_GRAD_OP,NO_SHARD --batch_size 256)",
+       "peak RSS (--strategies FULL_SHARD,SHARD_GRAD_OP,NO_SHARD --batch_size 256); gpt: 12 layers "
+       "d=768, FULL_SHARD 2 ranks vs one process, per-rank peak RSS ratio",
        {"model", "steps", "batch_size", "strategies"},
        fsdpTrain},
       {"collectives",

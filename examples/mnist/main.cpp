@@ -239,7 +239,8 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // --help exits 0; every usage error exits 2, as with every tool of ours.
+    return app.exit(e) == 0 ? 0 : 2;
   }
   try {
     return run(flags);

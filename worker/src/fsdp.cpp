@@ -16,6 +16,7 @@
 #include <cstring>
 #include <cmath>
 #include <limits>
+#include <deque>
 #include <map>
 #include <sstream>
 #include <unordered_map>
@@ -231,6 +232,7 @@ struct PendingReduce {
   int flat = 0;
   at::Tensor output;
   Work work;
+  bool needsReplicaSync = false;  // HYBRID_SHARD: the all-reduce across nodes is still to come
 };
 
 }  // namespace
@@ -250,7 +252,7 @@ class FsdpState {
   std::vector<UnitRecord> units_;
   std::vector<int> forwardOrder_;          // this iteration's forward, as units entered it
   std::vector<int> previousForwardOrder_;  // the last complete forward (forward prefetch)
-  std::vector<PendingReduce> pending_;
+  std::deque<PendingReduce> pending_;
   bool noSync_ = false;
   bool callbackQueued_ = false;
   std::vector<std::pair<torch::autograd::Node*, std::uintptr_t>> hookKeys_;
@@ -405,6 +407,7 @@ class FsdpState {
     if (!noSync_) {
       for (std::size_t f = 0; f < unit.flats.size(); ++f) reduceGradient(u, static_cast<int>(f));
     }
+    drainPending(/*wait=*/false);
     if (options_.backwardPrefetch == BackwardPrefetch::kPost) prefetch(neighbour(forwardOrder_, u, -1));
   }
 
@@ -424,7 +427,8 @@ class FsdpState {
     if (input.scalar_type() != reduceDtype_) input = input.to(reduceDtype_);
     if (shardComm_ != nullptr) {
       at::Tensor output = at::empty({flat.shardNumel}, input.options());
-      pending_.push_back({u, f, output, shardComm_->reduceScatter(input, output, ReduceOp::kAverage)});
+      pending_.push_back({u, f, output, shardComm_->reduceScatter(input, output, ReduceOp::kAverage),
+                          options_.strategy == ShardingStrategy::kHybridShard && gradSyncComm_ != nullptr});
     } else if (gradSyncComm_ != nullptr) {
       pending_.push_back({u, f, input, gradSyncComm_->allReduce(input, ReduceOp::kAverage)});
     } else {
@@ -448,15 +452,32 @@ class FsdpState {
                                        [](const FlatParam& f) { return f.fullGrad.defined(); });
       if (!unit.postBackwardDone && (unit.preBackwardDone || hasGrad)) postBackward(u);
     }
-    if (options_.strategy == ShardingStrategy::kHybridShard && gradSyncComm_ != nullptr) {
-      // Across nodes: average the node-averaged shards over the replicas.
-      for (auto& p : pending_) {
-        p.work.wait();
-        p.work = gradSyncComm_->allReduce(p.output, ReduceOp::kAverage);
-      }
-    }
+    // Across nodes (HYBRID_SHARD): every all-reduce issued, in order, before waiting on any.
+    for (auto& p : pending_) startReplicaSync(p);
+    drainPending(/*wait=*/true);
+    for (std::size_t u = 0; u < units_.size(); ++u) reshard(static_cast<int>(u));
+    resetBackwardState();
+  }
+
+  void startReplicaSync(PendingReduce& p) {
+    if (!p.needsReplicaSync) return;
+    p.work.wait();
+    p.work = gradSyncComm_->allReduce(p.output, ReduceOp::kAverage);
+    p.needsReplicaSync = false;
+  }
+
+  // Folds finished reductions into the shard gradients, oldest first, releasing their
+  // buffers as soon as possible (without waiting: only those already done). Collectives are
+  // issued in the same order on every rank because only the oldest entry moves on.
+  void drainPending(bool wait) {
     at::NoGradGuard noGrad;
-    for (auto& p : pending_) {
+    while (!pending_.empty()) {
+      auto& p = pending_.front();
+      if (!wait && !p.work.ready()) return;
+      if (p.needsReplicaSync) {
+        startReplicaSync(p);
+        if (!wait) return;
+      }
       p.work.wait();
       auto& shard = units_[static_cast<std::size_t>(p.unit)].flats[static_cast<std::size_t>(p.flat)].shard;
       // A tensor of its own (not a view): optimizers detach_() gradients in zero_grad().
@@ -469,10 +490,8 @@ class FsdpState {
       } else {
         current.add_(grad);
       }
+      pending_.pop_front();
     }
-    pending_.clear();
-    for (std::size_t u = 0; u < units_.size(); ++u) reshard(static_cast<int>(u));
-    resetBackwardState();
   }
 
   void resetBackwardState() {
