@@ -9,6 +9,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <future>
 #include <memory>
 #include <vector>
@@ -21,14 +22,24 @@ enum class ReduceOp { kSum, kAverage, kMin, kMax };
 class Work {
  public:
   explicit Work(std::shared_future<void> done) : done_(std::move(done)) {}
+  // Device work (NCCL): `wait` orders the caller's stream after the operation and rethrows
+  // its error; `ready` tells whether it has finished.
+  Work(std::function<void()> wait, std::function<bool()> ready)
+      : waitFn_(std::move(wait)), readyFn_(std::move(ready)) {}
   // Blocks until the operation finished; rethrows its error (fsdp::Error).
-  void wait() const { done_.get(); }
+  void wait() const {
+    if (waitFn_) return waitFn_();
+    done_.get();
+  }
   bool ready() const {
+    if (readyFn_) return readyFn_();
     return done_.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
   }
 
  private:
   std::shared_future<void> done_;
+  std::function<void()> waitFn_;
+  std::function<bool()> readyFn_;
 };
 
 // How `total` elements are split over `worldSize` ranks by allGather/reduceScatter: the
