@@ -80,6 +80,20 @@ bool KvStore::remove(const std::string& key) {
   return true;
 }
 
+std::size_t KvStore::removePrefix(const std::string& prefix) {
+  std::size_t removed = 0;
+  for (auto it = data_.begin(); it != data_.end();) {
+    if (it->first.starts_with(prefix)) {
+      bytes_ -= it->first.size() + it->second.size();
+      it = data_.erase(it);
+      ++removed;
+    } else {
+      ++it;
+    }
+  }
+  return removed;
+}
+
 KvStore::WatchId KvStore::watch(const std::vector<std::string>& keys, std::function<void()> fire) {
   const WatchId id = nextId_++;
   for (const auto& key : keys) byKey_[key].push_back(id);
@@ -202,6 +216,7 @@ std::optional<Response> StoreService::tryHandle(const Request& req) {
     case Op::kHeartbeat:
     case Op::kEndRound:
     case Op::kCloseRun:
+    case Op::kSucceeded:
     case Op::kEvent:
     case Op::kAddWait:
       resp.status = Status::kError;

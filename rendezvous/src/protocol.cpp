@@ -136,6 +136,7 @@ std::string opName(Op op) {
     case Op::kCloseRun: return "CLOSE_RUN";
     case Op::kEvent: return "EVENT";
     case Op::kAddWait: return "ADD_WAIT";
+    case Op::kSucceeded: return "SUCCEEDED";
   }
   return "op " + std::to_string(static_cast<int>(op));
 }
@@ -222,6 +223,7 @@ Request decodeRequest(Op op, std::span<const std::uint8_t> body, const Limits& l
     case Op::kHeartbeat:
     case Op::kEndRound:
     case Op::kCloseRun:
+    case Op::kSucceeded:
     case Op::kEvent: break;
   }
   return req;

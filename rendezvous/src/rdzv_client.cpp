@@ -1,6 +1,10 @@
 #include "fsdp/rendezvous/rdzv_client.hpp"
 
+#include <arpa/inet.h>
+#include <cerrno>
+#include <netinet/in.h>
 #include <poll.h>
+#include <sys/socket.h>
 
 #include "connection.hpp"
 
@@ -26,6 +30,26 @@ bool RendezvousClient::hasBufferedEvent() const { return connection_->buffered()
 
 const std::string& RendezvousClient::endpoint() const { return connection_->endpoint(); }
 
+std::string RendezvousClient::localAddress() const {
+  sockaddr_storage addr{};
+  socklen_t len = sizeof(addr);
+  if (::getsockname(connection_->fd(), reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    throwErrno("getsockname on the rendezvous connection", errno);
+  }
+  char text[INET6_ADDRSTRLEN] = {};
+  if (addr.ss_family == AF_INET6) {
+    const auto* in6 = reinterpret_cast<const sockaddr_in6*>(&addr);
+    if (IN6_IS_ADDR_V4MAPPED(&in6->sin6_addr)) {
+      ::inet_ntop(AF_INET, &in6->sin6_addr.s6_addr[12], text, sizeof(text));
+    } else {
+      ::inet_ntop(AF_INET6, &in6->sin6_addr, text, sizeof(text));
+    }
+  } else {
+    ::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(&addr)->sin_addr, text, sizeof(text));
+  }
+  return text;
+}
+
 Assignment RendezvousClient::join(const JoinRequest& request, std::chrono::milliseconds timeout) {
   const auto start = Deadline::Clock::now();
   const Deadline deadline = Deadline::after(timeout);
@@ -45,7 +69,9 @@ Assignment RendezvousClient::join(const JoinRequest& request, std::chrono::milli
     }
     switch (event->kind) {
       case EventKind::kAssigned: return event->assignment;
-      case EventKind::kRunClosed: throw RunClosedError("rendezvous: run closed: " + event->reason);
+      case EventKind::kRunClosed:
+      case EventKind::kRunFinished:
+      case EventKind::kRunFailed: throw RunClosedError("rendezvous: run closed: " + event->reason);
       case EventKind::kJoinFailed:
       case EventKind::kDisconnect:
         throw Error("rendezvous: server " + endpoint() + " refused node " + request.node + ": " +
@@ -64,9 +90,13 @@ void RendezvousClient::heartbeat() {
   connection_->send(encodeRequest({.op = Op::kHeartbeat}), Deadline::after(std::chrono::seconds(10)));
 }
 
-void RendezvousClient::endRound(const std::string& reason) {
-  connection_->send(encodeRequest({.op = Op::kEndRound, .value = reason}),
+void RendezvousClient::endRound(const std::string& reason, const std::string& failure) {
+  connection_->send(encodeRequest({.op = Op::kEndRound, .value = reason, .value2 = failure}),
                     Deadline::after(std::chrono::seconds(10)));
+}
+
+void RendezvousClient::succeeded() {
+  connection_->send(encodeRequest({.op = Op::kSucceeded}), Deadline::after(std::chrono::seconds(10)));
 }
 
 void RendezvousClient::closeRun(const std::string& reason) {
@@ -87,14 +117,15 @@ std::optional<RendezvousEvent> RendezvousClient::nextEvent(std::chrono::millisec
                         " where an EVENT was expected");
   }
   const Response resp = decodeResponse(body, Limits{});
-  RendezvousEvent event;
-  event.kind = static_cast<EventKind>(resp.number);
-  if (event.kind == EventKind::kAssigned) {
-    event.assignment = decodeAssignment(resp.value);
-  } else {
-    event.reason = resp.value;
+  if (resp.number < static_cast<int>(EventKind::kAssigned) ||
+      resp.number > static_cast<int>(EventKind::kRunFailed)) {
+    throw ProtocolError("rendezvous: server " + endpoint() + " sent an unknown event kind " +
+                        std::to_string(resp.number));
   }
-  return event;
+  Event decoded;
+  decoded.kind = static_cast<EventKind>(resp.number);
+  decodeEventPayload(resp.value, decoded);
+  return RendezvousEvent{decoded.kind, decoded.assignment, decoded.reason, decoded.failure};
 }
 
 }  // namespace fsdp::rendezvous

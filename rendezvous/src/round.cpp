@@ -17,6 +17,7 @@ std::string encodeJoin(const JoinRequest& j) {
               {"master_port", j.masterPort},
               {"min_nodes", j.minNodes},
               {"max_nodes", j.maxNodes},
+              {"max_restarts", j.maxRestarts},
               {"last_call_ms", j.lastCallTimeout.count()},
               {"join_timeout_ms", j.joinTimeout.count()},
               {"heartbeat_timeout_ms", j.heartbeatTimeout.count()}}
@@ -34,6 +35,7 @@ JoinRequest decodeJoin(const std::string& text) {
     r.masterPort = j.at("master_port").get<int>();
     r.minNodes = j.at("min_nodes").get<int>();
     r.maxNodes = j.at("max_nodes").get<int>();
+    r.maxRestarts = j.value("max_restarts", 0);
     r.lastCallTimeout = std::chrono::milliseconds(j.at("last_call_ms").get<std::int64_t>());
     r.joinTimeout = std::chrono::milliseconds(j.at("join_timeout_ms").get<std::int64_t>());
     r.heartbeatTimeout = std::chrono::milliseconds(j.at("heartbeat_timeout_ms").get<std::int64_t>());
@@ -45,6 +47,7 @@ JoinRequest decodeJoin(const std::string& text) {
       throw ProtocolError("JOIN: nodes " + std::to_string(r.minNodes) + ":" + std::to_string(r.maxNodes) +
                           " out of range");
     }
+    if (r.maxRestarts < 0) throw ProtocolError("JOIN: max_restarts must not be negative");
     if (r.lastCallTimeout.count() < 0 || r.joinTimeout.count() <= 0 || r.heartbeatTimeout.count() <= 0) {
       throw ProtocolError("JOIN: timeouts must be positive");
     }
@@ -61,7 +64,9 @@ std::string encodeAssignment(const Assignment& a) {
               {"world_size", a.worldSize},
               {"nnodes", a.nnodes},
               {"master_addr", a.masterAddr},
-              {"master_port", a.masterPort}}
+              {"master_port", a.masterPort},
+              {"restart_count", a.restartCount},
+              {"pytorch_store", a.pytorchStore}}
       .dump();
 }
 
@@ -71,10 +76,31 @@ Assignment decodeAssignment(const std::string& text) {
     return Assignment{j.at("round").get<int>(),       j.at("node_rank").get<int>(),
                       j.at("rank_offset").get<int>(), j.at("world_size").get<int>(),
                       j.at("nnodes").get<int>(),      j.at("master_addr").get<std::string>(),
-                      j.at("master_port").get<int>()};
+                      j.at("master_port").get<int>(), j.value("restart_count", 0),
+                      j.value("pytorch_store", false)};
   } catch (const json::exception& e) {
     throw ProtocolError(std::string("malformed assignment: ") + e.what());
   }
+}
+
+std::string encodeEventPayload(const Event& event) {
+  if (event.kind == EventKind::kAssigned) return encodeAssignment(event.assignment);
+  json j{{"reason", event.reason}};
+  if (!event.failure.empty()) j["failure"] = json::parse(event.failure, nullptr, false);
+  return j.dump();
+}
+
+void decodeEventPayload(const std::string& payload, Event& event) {
+  if (event.kind == EventKind::kAssigned) {
+    event.assignment = decodeAssignment(payload);
+    return;
+  }
+  const auto j = json::parse(payload, nullptr, false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("reason") || !j["reason"].is_string()) {
+    throw ProtocolError("malformed event payload: " + payload.substr(0, 200));
+  }
+  event.reason = j["reason"].get<std::string>();
+  if (j.contains("failure") && !j["failure"].is_null()) event.failure = j["failure"].dump();
 }
 
 std::vector<Event> RoundState::join(AgentId agent, JoinRequest request, Clock::time_point now) {
@@ -89,6 +115,11 @@ std::vector<Event> RoundState::join(AgentId agent, JoinRequest request, Clock::t
                   "node " + request.node + " asks for " + std::to_string(request.minNodes) + ":" +
                       std::to_string(request.maxNodes) + " nodes but the run has " +
                       std::to_string(params_->minNodes) + ":" + std::to_string(params_->maxNodes)}};
+  } else if (request.maxRestarts != params_->maxRestarts) {
+    return {Event{agent, EventKind::kJoinFailed, {},
+                  "node " + request.node + " asks for --max_restarts " +
+                      std::to_string(request.maxRestarts) + " but the run has " +
+                      std::to_string(params_->maxRestarts)}};
   }
   const std::string node = request.node;
   waiting_.emplace(agent, Waiter{std::move(request), now, joinOrder_++});
@@ -102,6 +133,7 @@ std::vector<Event> RoundState::join(AgentId agent, JoinRequest request, Clock::t
 }
 
 std::vector<Event> RoundState::leave(AgentId agent, const std::string& reason, Clock::time_point now) {
+  std::erase(previous_, agent);  // no longer expected back
   if (waiting_.erase(agent) > 0) {
     if (params_ && static_cast<int>(waiting_.size()) < params_->minNodes) lastCallAt_.reset();
     return tryComplete(now, false);
@@ -121,24 +153,53 @@ void RoundState::heartbeat(AgentId agent, Clock::time_point now) {
 }
 
 std::vector<Event> RoundState::endRound(AgentId agent, const std::string& reason,
-                                        Clock::time_point now) {
+                                        Clock::time_point now, const std::string& failure) {
+  // A request from a node that is no longer a member (its round already ended, and the news
+  // crossed its request) changes nothing.
   const auto it = members_.find(agent);
   if (it == members_.end()) return {};
-  auto events = endRunningRound("node " + it->second.request.node + " asked to restart: " + reason);
+  const std::string node = it->second.request.node;
+  if (!failure.empty() && ++failures_ > params_->maxRestarts) {
+    return finish(EventKind::kRunFailed,
+                  "node " + node + ": " + reason + "; no restart left (" +
+                      std::to_string(params_->maxRestarts) + " of " +
+                      std::to_string(params_->maxRestarts) + " used)",
+                  failure);
+  }
+  auto events = endRunningRound("node " + node + " asked to restart: " + reason, failure);
   auto more = tryComplete(now, false);
   events.insert(events.end(), more.begin(), more.end());
   return events;
 }
 
+std::vector<Event> RoundState::succeeded(AgentId agent) {
+  const auto it = members_.find(agent);
+  if (it == members_.end()) return {};
+  it->second.succeeded = true;
+  const bool all = std::all_of(members_.begin(), members_.end(),
+                               [](const auto& entry) { return entry.second.succeeded; });
+  if (!all) return {};
+  return finish(EventKind::kRunFinished,
+                "the run finished: the workers of all " + std::to_string(members_.size()) +
+                    " node(s) succeeded",
+                "");
+}
+
 std::vector<Event> RoundState::close(const std::string& reason) {
+  return finish(EventKind::kRunClosed, reason, "");
+}
+
+std::vector<Event> RoundState::finish(EventKind kind, const std::string& reason,
+                                      const std::string& failure) {
   std::vector<Event> events;
   if (closed_) return events;
   closed_ = true;
   closeReason_ = reason;
-  for (const auto& [agent, m] : members_) events.push_back({agent, EventKind::kRunClosed, {}, reason});
-  for (const auto& [agent, w] : waiting_) events.push_back({agent, EventKind::kRunClosed, {}, reason});
+  for (const auto& [agent, m] : members_) events.push_back({agent, kind, {}, reason, failure});
+  for (const auto& [agent, w] : waiting_) events.push_back({agent, kind, {}, reason, failure});
   members_.clear();
   waiting_.clear();
+  previous_.clear();
   lastCallAt_.reset();
   return events;
 }
@@ -188,9 +249,14 @@ std::optional<Clock::time_point> RoundState::nextDeadline() const {
   return next;
 }
 
-std::vector<Event> RoundState::endRunningRound(const std::string& reason) {
+std::vector<Event> RoundState::endRunningRound(const std::string& reason,
+                                               const std::string& failure) {
   std::vector<Event> events;
-  for (const auto& [agent, m] : members_) events.push_back({agent, EventKind::kRoundEnded, {}, reason});
+  previous_.clear();
+  for (const auto& [agent, m] : members_) {
+    events.push_back({agent, EventKind::kRoundEnded, {}, reason, failure});
+    previous_.push_back(agent);
+  }
   members_.clear();
   return events;
 }
@@ -203,7 +269,11 @@ std::vector<Event> RoundState::tryComplete(Clock::time_point now, bool lastCallE
   if (!params_ || !members_.empty() || closed_) return {};
   const auto count = static_cast<int>(waiting_.size());
   if (count < params_->minNodes) return {};
-  if (count < params_->maxNodes && !lastCallExpired) {
+  // After a restart nobody else is coming once the previous members are all back.
+  const bool previousBack =
+      !previous_.empty() && std::all_of(previous_.begin(), previous_.end(),
+                                        [this](AgentId a) { return waiting_.contains(a); });
+  if (count < params_->maxNodes && !lastCallExpired && !previousBack) {
     armLastCall(now);
     if (params_->lastCallTimeout.count() > 0) return {};
   }
@@ -234,7 +304,8 @@ std::vector<Event> RoundState::tryComplete(Clock::time_point now, bool lastCallE
     const auto& [agent, w] = chosen[i];
     events.push_back({agent, EventKind::kAssigned,
                       Assignment{round_, static_cast<int>(i), offset, worldSize,
-                                 static_cast<int>(chosen.size()), master.address, master.masterPort},
+                                 static_cast<int>(chosen.size()), master.address, master.masterPort,
+                                 failures_},
                       {}});
     offset += w->request.localWorldSize;
   }
@@ -243,6 +314,7 @@ std::vector<Event> RoundState::tryComplete(Clock::time_point now, bool lastCallE
     waiting_.erase(agent);
   }
   lastCallAt_.reset();
+  previous_.clear();
   return events;
 }
 

@@ -53,6 +53,10 @@ awaitable<void> readExact(tcp::socket& socket, asio::mutable_buffer buffer, Time
   if (result.index() == 1) throw TimeoutError(std::string("timed out reading ") + what);
 }
 
+// Where torch.distributed's env:// init keys everything when it uses the agent's store
+// (TORCHELASTIC_USE_AGENT_STORE): PrefixStore("/worker/attempt_<n>").
+constexpr const char* kPytorchWorkerPrefix = "/worker/";
+
 struct Run {
   std::string id;
   KvStore store;
@@ -84,7 +88,7 @@ struct StoreServer::Impl {
   awaitable<void> tickRun(Run* run);
   Run& bindRun(const std::string& id);
   void rearm(Run& run);
-  void deliver(const std::vector<Event>& events);
+  void deliver(Run& run, const std::vector<Event>& events);
 };
 
 // One connection. Reads requests in order; writes replies and pushed events through one
@@ -326,7 +330,7 @@ class Session : public std::enable_shared_from_this<Session> {
     switch (req.op) {
       case Op::kJoin: {
         joined_ = true;
-        server_.deliver(run.rounds.join(id_, decodeJoin(req.value), now));
+        server_.deliver(run, run.rounds.join(id_, decodeJoin(req.value), now));
         server_.rearm(run);
         co_return true;
       }
@@ -334,12 +338,16 @@ class Session : public std::enable_shared_from_this<Session> {
         run.rounds.heartbeat(id_, now);
         co_return true;
       case Op::kEndRound:
-        server_.deliver(run.rounds.endRound(id_, req.value, now));
+        server_.deliver(run, run.rounds.endRound(id_, req.value, now, req.value2));
+        server_.rearm(run);
+        co_return true;
+      case Op::kSucceeded:
+        server_.deliver(run, run.rounds.succeeded(id_));
         server_.rearm(run);
         co_return true;
       case Op::kCloseRun:
         log::info("store server: run '{}' closed by {}: {}", run.id, peer(), req.value);
-        server_.deliver(run.rounds.close(req.value));
+        server_.deliver(run, run.rounds.close(req.value));
         server_.rearm(run);
         co_return true;
       default: break;
@@ -433,7 +441,7 @@ class Session : public std::enable_shared_from_this<Session> {
       --run.sessions;
       run.lastActive = asio::steady_timer::clock_type::now();
       if (joined_ && !server_.stopped) {
-        server_.deliver(run.rounds.leave(id_, "connection closed", Clock::now()));
+        server_.deliver(run, run.rounds.leave(id_, "connection closed", Clock::now()));
         server_.rearm(run);
       }
     }
@@ -491,23 +499,36 @@ awaitable<void> StoreServer::Impl::tickRun(Run* run) {
     auto [ec] = co_await run->tick->async_wait(asio::as_tuple(kUseAwaitable));
     if (run->dropped || stopped) co_return;
     if (ec) continue;  // re-armed: wait for the new deadline
-    deliver(run->rounds.tick(Clock::now()));
+    deliver(*run, run->rounds.tick(Clock::now()));
     rearm(*run);
   }
 }
 
-void StoreServer::Impl::deliver(const std::vector<Event>& events) {
-  for (const auto& event : events) {
+void StoreServer::Impl::deliver(Run& run, const std::vector<Event>& events) {
+  const bool pytorchRun = allowPytorch && run.id == options.pytorchRunId;
+  bool assigned = false;
+  for (Event event : events) {
+    if (event.kind == EventKind::kAssigned) {
+      assigned = true;
+      event.assignment.pytorchStore = pytorchRun;
+    }
     const auto it = sessions.find(event.agent);
     if (it == sessions.end()) continue;
     Session& session = *it->second;
     Response resp;
     resp.number = static_cast<std::int64_t>(event.kind);
-    resp.value = event.kind == EventKind::kAssigned ? encodeAssignment(event.assignment) : event.reason;
+    resp.value = encodeEventPayload(event);
     session.send(encodeResponse(Op::kEvent, resp));
     if (event.kind == EventKind::kDisconnect || event.kind == EventKind::kJoinFailed) {
       session.closeAfterFlush();
     }
+  }
+  // PyTorch's clients of a round key everything under /worker/attempt_<restart count>, and a
+  // round after a membership change keeps the count: drop what the previous round left (its
+  // workers are gone: every member stopped them before re-joining).
+  if (assigned && pytorchRun) {
+    const auto dropped = run.store.removePrefix(kPytorchWorkerPrefix);
+    if (dropped > 0) log::debug("store server: run '{}': dropped {} keys of the previous round", run.id, dropped);
   }
 }
 
@@ -614,7 +635,7 @@ void StoreServer::stop() {
   asio::post(impl_->io, [impl = impl_.get()] {
     boost::system::error_code ec;
     impl->acceptor.close(ec);
-    for (auto& [id, run] : impl->runs) impl->deliver(run->rounds.close("server shutting down"));
+    for (auto& [id, run] : impl->runs) impl->deliver(*run, run->rounds.close("server shutting down"));
     impl->stopped = true;
     impl->sweep.cancel();
     bool flushing = false;

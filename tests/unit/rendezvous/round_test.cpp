@@ -91,11 +91,93 @@ TEST(Rounds, ALateJoinerEndsTheRunningRoundBelowMax) {
   EXPECT_EQ(count(events, EventKind::kRoundEnded), 1);
   EXPECT_NE(events.front().reason.find("node b joined"), std::string::npos);
   EXPECT_FALSE(s.running());
-  // The old member re-joins; the next round has both.
-  s.join(1, req("a", 1, 3), t + 2s);
-  const auto a = assigned(s.tick(t + 3s));
+  // The old member re-joins; the next round has both, at once: nobody else is expected.
+  const auto a = assigned(s.join(1, req("a", 1, 3), t + 2s));
   EXPECT_EQ(a.size(), 2u);
   EXPECT_EQ(a.begin()->second.round, 1);
+}
+
+TEST(Rounds, AfterARestartTheRoundCompletesOnceThePreviousMembersAreBack) {
+  RoundState s;
+  const auto t = Clock::now();
+  for (AgentId id : {1, 2, 3}) s.join(id, req("n" + std::to_string(id), 2, 4), t);
+  ASSERT_EQ(assigned(s.tick(t + 500ms)).size(), 3u);
+  s.endRound(1, "restart", t + 1s);
+  // Node 3 is lost on the way; 1 and 2 come back and need no last-call wait for it.
+  s.leave(3, "connection closed", t + 1s);
+  EXPECT_TRUE(s.join(1, req("n1", 2, 4), t + 1s).empty());
+  const auto a = assigned(s.join(2, req("n2", 2, 4), t + 1s));
+  ASSERT_EQ(a.size(), 2u);
+  EXPECT_EQ(a.at(1).worldSize, 2);
+}
+
+TEST(Rounds, FailuresCountAgainstMaxRestartsAndMembershipChangesDoNot) {
+  RoundState s;
+  const auto t = Clock::now();
+  auto r = [](const std::string& node) {
+    auto j = req(node, 2, 2);
+    j.maxRestarts = 1;
+    return j;
+  };
+  s.join(1, r("a"), t);
+  ASSERT_EQ(assigned(s.join(2, r("b"), t)).at(1).restartCount, 0);
+  // A membership change (b's connection drops, b comes back) does not count.
+  s.leave(2, "connection closed", t);
+  s.join(1, r("a"), t);
+  ASSERT_EQ(assigned(s.join(2, r("b"), t)).at(2).restartCount, 0);
+  // A worker failure does, and every node sees the same count and the failure.
+  const auto ended = s.endRound(2, "rank 1 failed", t, R"({"rank":1})");
+  ASSERT_EQ(count(ended, EventKind::kRoundEnded), 2);
+  EXPECT_EQ(ended[0].failure, R"({"rank":1})");
+  s.join(1, r("a"), t);
+  const auto again = assigned(s.join(2, r("b"), t));
+  EXPECT_EQ(again.at(1).restartCount, 1);
+  EXPECT_EQ(again.at(2).restartCount, 1);
+  // The second failure is one too many: the run fails for everyone, with that failure.
+  const auto failed = s.endRound(1, "rank 0 failed", t, R"({"rank":0})");
+  ASSERT_EQ(count(failed, EventKind::kRunFailed), 2);
+  EXPECT_EQ(failed[0].failure, R"({"rank":0})");
+  EXPECT_NE(failed[0].reason.find("no restart left"), std::string::npos) << failed[0].reason;
+  EXPECT_TRUE(s.closed());
+}
+
+TEST(Rounds, AStaleRestartRequestChangesNothing) {
+  RoundState s;
+  const auto t = Clock::now();
+  s.join(1, req("a", 2, 2), t);
+  s.join(2, req("b", 2, 2), t);
+  s.endRound(1, "rank 0 failed", t, "{}");
+  // b's own failure report crossed the news: b is no longer a member, nothing happens.
+  EXPECT_TRUE(s.endRound(2, "rank 1 failed", t, "{}").empty());
+  EXPECT_EQ(s.restartCount(), 1);
+}
+
+TEST(Rounds, TheRunFinishesWhenEveryMemberSucceeded) {
+  RoundState s;
+  const auto t = Clock::now();
+  s.join(1, req("a", 2, 2), t);
+  s.join(2, req("b", 2, 2), t);
+  EXPECT_TRUE(s.succeeded(1).empty());
+  const auto events = s.succeeded(2);
+  EXPECT_EQ(count(events, EventKind::kRunFinished), 2);
+  EXPECT_TRUE(s.closed());
+  // A node that comes later is told the run is over.
+  const auto later = s.join(3, req("c", 2, 2), t);
+  ASSERT_EQ(later.size(), 1u);
+  EXPECT_EQ(later[0].kind, EventKind::kRunClosed);
+}
+
+TEST(Rounds, EventPayloadsRoundTrip) {
+  Event e{1, EventKind::kRoundEnded, {}, "node a asked to restart", R"({"rank":3,"host":"x"})"};
+  Event back{1, EventKind::kRoundEnded};
+  decodeEventPayload(encodeEventPayload(e), back);
+  EXPECT_EQ(back.reason, e.reason);
+  EXPECT_EQ(back.failure, R"({"host":"x","rank":3})");
+  Event plain{1, EventKind::kRunClosed, {}, "bye"};
+  Event plainBack{1, EventKind::kRunClosed};
+  decodeEventPayload(encodeEventPayload(plain), plainBack);
+  EXPECT_TRUE(plainBack.failure.empty());
+  EXPECT_THROW(decodeEventPayload("not json", plainBack), ProtocolError);
 }
 
 TEST(Rounds, AJoinerAtMaxWaitsOnStandby) {
@@ -189,8 +271,11 @@ TEST(Rounds, JoinAndAssignmentRoundTripThroughJson) {
   auto bad = r;
   bad.localWorldSize = 0;
   EXPECT_THROW(decodeJoin(encodeJoin(bad)), ProtocolError);
-  const Assignment a{3, 1, 8, 16, 2, "h", 29500};
-  EXPECT_EQ(decodeAssignment(encodeAssignment(a)).rankOffset, 8);
+  const Assignment a{3, 1, 8, 16, 2, "h", 29500, 2, true};
+  const auto ab = decodeAssignment(encodeAssignment(a));
+  EXPECT_EQ(ab.rankOffset, 8);
+  EXPECT_EQ(ab.restartCount, 2);
+  EXPECT_TRUE(ab.pytorchStore);
 }
 
 }  // namespace

@@ -32,6 +32,8 @@ class KvStore {
   bool contains(const std::string& key) const { return data_.contains(key); }
   bool containsAll(const std::vector<std::string>& keys) const;
   bool remove(const std::string& key);
+  // Removes every key that starts with `prefix`; returns how many.
+  std::size_t removePrefix(const std::string& prefix);
   std::size_t size() const { return data_.size(); }
   std::vector<std::string> keys() const;
   std::size_t bytesHeld() const { return bytes_; }

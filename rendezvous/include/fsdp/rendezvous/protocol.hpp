@@ -46,8 +46,10 @@ enum class Op : std::uint8_t {
   kEvent = 18,      // server to client only: number = EventKind, value = JSON or reason
   kAddWait = 19,    // a counter barrier: keys[0] += number, then answered once the counter is
                     // >= value (decimal) or timeout_ms passed; reply number = the counter
+  kSucceeded = 20,  // every worker of this member's node exited 0; no reply (the run finishes
+                    // with a RUN_FINISHED event once every member has said so)
 };
-inline constexpr std::uint8_t kMaxOp = 19;
+inline constexpr std::uint8_t kMaxOp = 20;
 
 // The message a client MACs to authenticate: binds the token proof to this run and both
 // nonces, so a recorded proof cannot be replayed on another connection.

@@ -31,6 +31,7 @@ struct RendezvousEvent {
   EventKind kind = EventKind::kRoundEnded;
   Assignment assignment;
   std::string reason;
+  std::string failure;  // JSON object of the worker failure behind it; empty when none
 };
 
 class RendezvousClient {
@@ -48,8 +49,11 @@ class RendezvousClient {
   // that drive many agents from one thread (benchmarks).
   void sendJoin(const JoinRequest& request);
   void heartbeat();
-  // Asks every member to restart (ends the round for all).
-  void endRound(const std::string& reason);
+  // Asks every member to restart (ends the round for all). With a `failure` (a JSON object
+  // describing a failed worker) the restart counts against the run's max_restarts.
+  void endRound(const std::string& reason, const std::string& failure = "");
+  // Tells the server that every worker of this node exited 0.
+  void succeeded();
   // Ends the run for everyone, for good.
   void closeRun(const std::string& reason);
   // Waits up to `timeout` for a pushed event; nullopt when none came. Throws NetworkError
@@ -60,6 +64,9 @@ class RendezvousClient {
   int fd() const;
   bool hasBufferedEvent() const;
   const std::string& endpoint() const;
+  // This end's address on the connection ("10.0.0.5"): the interface that routes to the
+  // server, which is the one the other nodes can reach.
+  std::string localAddress() const;
 
  private:
   explicit RendezvousClient(std::unique_ptr<detail::Connection> connection);

@@ -4,11 +4,18 @@
 // agents. No I/O, no threads: the server drives it from its event loop, tests drive it with
 // a fake clock.
 //
-// A round completes at max_nodes at once, or at min_nodes after the last-call wait. Node
-// ranks are deterministic: agents with a preferred rank first (by that rank), then by node
-// name. A member that leaves (connection closed, heartbeats missed), asks to restart, or a
-// new node waiting while a round runs (and the round is below max_nodes) ends the round for
-// everyone at once.
+// A round completes at max_nodes at once, or at min_nodes after the last-call wait; a round
+// after a restart completes as soon as every member of the previous round that is still
+// connected is back. Node ranks are deterministic: agents with a preferred rank first (by
+// that rank), then by node name. A member that leaves (connection closed, heartbeats
+// missed), asks to restart, or a new node waiting while a round runs (and the round is below
+// max_nodes) ends the round for everyone at once.
+//
+// Restarts: a round ended by a worker failure (endRound with a failure) counts against the
+// run's max_restarts; membership changes do not. The count is the server's, so every node
+// sees the same TORCHELASTIC_RESTART_COUNT, and when it is exhausted every node is told at
+// once (RUN_FAILED, with the failure that used the last restart). A run finishes
+// (RUN_FINISHED) when every member of the running round reports that its workers succeeded.
 
 #include <chrono>
 #include <cstdint>
@@ -30,6 +37,7 @@ struct JoinRequest {
   int masterPort = 0;         // the port this node would use as MASTER_PORT if it is node 0
   int minNodes = 1;
   int maxNodes = 1;
+  int maxRestarts = 0;        // failures the run survives (fixed by the run's first join)
   std::chrono::milliseconds lastCallTimeout{1000};
   std::chrono::milliseconds joinTimeout{600000};
   std::chrono::milliseconds heartbeatTimeout{15000};
@@ -43,6 +51,8 @@ struct Assignment {
   int nnodes = 0;
   std::string masterAddr;
   int masterPort = 0;
+  int restartCount = 0;       // rounds ended by a worker failure so far
+  bool pytorchStore = false;  // PyTorch's TCPStore clients may use the server for this run
 };
 
 enum class EventKind : std::uint8_t {
@@ -51,6 +61,8 @@ enum class EventKind : std::uint8_t {
   kRunClosed = 3,   // final
   kJoinFailed = 4,  // a join that cannot be served (timeout, bad parameters)
   kDisconnect = 5,  // the server should close this agent's connection (missed heartbeats)
+  kRunFinished = 6, // every member's workers succeeded; final
+  kRunFailed = 7,   // a failure with no restart left; final
 };
 
 struct Event {
@@ -58,6 +70,9 @@ struct Event {
   EventKind kind = EventKind::kAssigned;
   Assignment assignment;  // kAssigned
   std::string reason;     // the others
+  // kRoundEnded/kRunFailed after a worker failure: the failure as the reporting agent
+  // described it (a JSON object, passed through unread); empty otherwise.
+  std::string failure;
 };
 
 std::string encodeJoin(const JoinRequest& join);
@@ -65,6 +80,10 @@ std::string encodeJoin(const JoinRequest& join);
 JoinRequest decodeJoin(const std::string& json);
 std::string encodeAssignment(const Assignment& a);
 Assignment decodeAssignment(const std::string& json);
+// The wire form of an event's payload (assignment JSON, or reason and failure).
+std::string encodeEventPayload(const Event& event);
+// Fills event.assignment or event.reason/failure from a payload; throws ProtocolError.
+void decodeEventPayload(const std::string& payload, Event& event);
 
 class RoundState {
  public:
@@ -72,8 +91,12 @@ class RoundState {
   // The agent's connection closed (or it is gone for another reason).
   std::vector<Event> leave(AgentId agent, const std::string& reason, Clock::time_point now);
   void heartbeat(AgentId agent, Clock::time_point now);
-  // A member asks everyone to restart (e.g. one of its workers failed).
-  std::vector<Event> endRound(AgentId agent, const std::string& reason, Clock::time_point now);
+  // A member asks everyone to restart. With a `failure` (one of its workers failed) the
+  // restart counts against max_restarts; past it the run fails for everyone.
+  std::vector<Event> endRound(AgentId agent, const std::string& reason, Clock::time_point now,
+                              const std::string& failure = "");
+  // Every worker of the member's node exited 0. The run finishes when all members said so.
+  std::vector<Event> succeeded(AgentId agent);
   // Final: everyone (members, waiters, later joiners) is told `reason`.
   std::vector<Event> close(const std::string& reason);
   // Last-call expiry, join timeouts, missed heartbeats.
@@ -82,6 +105,7 @@ class RoundState {
   std::optional<Clock::time_point> nextDeadline() const;
 
   int round() const { return round_; }
+  int restartCount() const { return failures_; }
   bool running() const { return !members_.empty(); }
   bool closed() const { return closed_; }
   std::size_t waitingCount() const { return waiting_.size(); }
@@ -96,8 +120,10 @@ class RoundState {
   struct Member {
     JoinRequest request;
     Clock::time_point lastSeen;
+    bool succeeded = false;
   };
-  std::vector<Event> endRunningRound(const std::string& reason);
+  std::vector<Event> endRunningRound(const std::string& reason, const std::string& failure = "");
+  std::vector<Event> finish(EventKind kind, const std::string& reason, const std::string& failure);
   std::vector<Event> tryComplete(Clock::time_point now, bool lastCallExpired);
   void armLastCall(Clock::time_point now);
 
@@ -105,6 +131,10 @@ class RoundState {
   std::map<AgentId, Member> members_;
   std::optional<Clock::time_point> lastCallAt_;
   int round_ = -1;  // number of the last completed round
+  int failures_ = 0;  // rounds ended by a worker failure
+  // Members of the round that ended last and are still connected: once all of them are
+  // back, the next round completes without the last-call wait.
+  std::vector<AgentId> previous_;
   bool closed_ = false;
   std::string closeReason_;
   std::uint64_t joinOrder_ = 0;
