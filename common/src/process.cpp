@@ -76,6 +76,7 @@ std::vector<char*> cStrings(const std::vector<std::string>& strings) {
   if (options.stdoutFd && ::dup2(*options.stdoutFd, STDOUT_FILENO) < 0) fail(errno);
   if (options.stdinFd && ::dup2(*options.stdinFd, STDIN_FILENO) < 0) fail(errno);
   redirect(options.stderrPath, STDERR_FILENO);
+  if (options.stderrFd && ::dup2(*options.stderrFd, STDERR_FILENO) < 0) fail(errno);
   ::execve(program, argv, envp);
   fail(errno);
   ::_exit(127);

@@ -1,38 +1,49 @@
 #include "fsdp/launcher/agent.hpp"
 
-#include <netinet/in.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/signalfd.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
-#include <fcntl.h>
-
+#include <algorithm>
 #include <cerrno>
+#include <ctime>
 #include <filesystem>
-#include <cstdio>
+#include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <sstream>
+#include <variant>
 
 #include "fsdp/common/deadline.hpp"
 #include "fsdp/common/error.hpp"
 #include "fsdp/common/log.hpp"
 #include "fsdp/common/process.hpp"
 #include "fsdp/common/sha256.hpp"
+#include "fsdp/rendezvous/rdzv_client.hpp"
 #include "fsdp/rendezvous/store_server.hpp"
+#include "guardian.hpp"
+#include "worker_group.hpp"
 
 namespace fsdp::launcher {
 namespace {
 
-constexpr int kHandledSignals[] = {SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGQUIT};
+using namespace std::chrono_literals;
+using rendezvous::Assignment;
+using rendezvous::EventKind;
+using Clock = Deadline::Clock;
+
+constexpr int kDefaultC10dPort = 29400;
+constexpr int kDefaultStaticPort = 29500;
 
 // Owns the signalfd and the blocked mask of the signals the agent handles.
 class SignalFd {
  public:
-  SignalFd() {
+  explicit SignalFd(const std::vector<int>& handled) {
     sigemptyset(&mask_);
-    for (int sig : kHandledSignals) sigaddset(&mask_, sig);
+    sigaddset(&mask_, SIGCHLD);
+    for (int sig : handled) sigaddset(&mask_, sig);
     if (::sigprocmask(SIG_BLOCK, &mask_, &previous_) != 0) throwErrno("sigprocmask", errno);
     fd_ = ::signalfd(-1, &mask_, SFD_CLOEXEC | SFD_NONBLOCK);
     if (fd_ < 0) throwErrno("signalfd", errno);
@@ -44,11 +55,9 @@ class SignalFd {
   SignalFd(const SignalFd&) = delete;
   SignalFd& operator=(const SignalFd&) = delete;
 
-  // Waits up to `timeout` (negative = forever) for signals; returns those that arrived.
-  std::vector<int> wait(std::chrono::milliseconds timeout) {
-    pollfd pfd{fd_, POLLIN, 0};
-    const int r = ::poll(&pfd, 1, static_cast<int>(timeout.count()));
-    if (r < 0 && errno != EINTR) throwErrno("poll signalfd", errno);
+  int fd() const { return fd_; }
+  // The signals that arrived (without waiting).
+  std::vector<int> take() {
     std::vector<int> out;
     signalfd_siginfo info{};
     while (::read(fd_, &info, sizeof(info)) == sizeof(info)) {
@@ -63,68 +72,583 @@ class SignalFd {
   int fd_ = -1;
 };
 
-// A free TCP port on the loopback interface, for MASTER_PORT (as torchrun picks one).
-int freePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) throwErrno("socket", errno);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    const int err = errno;
-    ::close(fd);
-    throwErrno("choosing a free port", err);
-  }
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
-
-// The job token, in a file only this user can read, removed with the object. Workers get the
-// path (FSDPRUN_TOKEN_FILE), never the token in their environment or command line.
-class TokenFile {
+// A private directory, removed with the object.
+class ScratchDir {
  public:
-  TokenFile() : token_(toHex(randomBytes(32))) {
+  ScratchDir() {
     std::string dir = (std::filesystem::temp_directory_path() / "fsdprun-XXXXXX").string();
-    if (::mkdtemp(dir.data()) == nullptr) throwErrno("mkdtemp for the job token", errno);
-    dir_ = dir;
-    path_ = dir_ + "/token";
-    const int fd = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-    if (fd < 0) throwErrno("creating " + path_, errno);
-    const bool ok = ::write(fd, token_.data(), token_.size()) == static_cast<ssize_t>(token_.size());
-    ::close(fd);
-    if (!ok) throwErrno("writing " + path_, errno);
+    if (::mkdtemp(dir.data()) == nullptr) throwErrno("mkdtemp", errno);
+    path_ = dir;
   }
-  ~TokenFile() {
+  ~ScratchDir() {
     std::error_code ec;
-    std::filesystem::remove_all(dir_, ec);
+    std::filesystem::remove_all(path_, ec);
   }
-  TokenFile(const TokenFile&) = delete;
-  TokenFile& operator=(const TokenFile&) = delete;
-  const std::string& token() const { return token_; }
+  ScratchDir(const ScratchDir&) = delete;
+  ScratchDir& operator=(const ScratchDir&) = delete;
   const std::string& path() const { return path_; }
 
  private:
-  std::string token_;
-  std::string dir_;
   std::string path_;
 };
 
-struct Worker {
-  WorkerIdentity id;
-  ChildProcess process;
-  Deadline::Clock::time_point started;
+// Writes a fresh job token into `dir`/token, readable by this user only. Workers get the path
+// (FSDPRUN_TOKEN_FILE), never the token in their environment or command line.
+std::string writeToken(const std::string& dir, const std::string& token) {
+  const std::string path = dir + "/token";
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) throwErrno("creating " + path, errno);
+  const bool ok = ::write(fd, token.data(), token.size()) == static_cast<ssize_t>(token.size());
+  ::close(fd);
+  if (!ok) throwErrno("writing " + path, errno);
+  return path;
+}
+
+std::string readToken(const std::string& path, const std::string& where) {
+  std::ifstream in(path);
+  std::string token;
+  if (!in || !std::getline(in, token) || token.empty()) {
+    throw ConfigError(where + " '" + path + "': cannot read a job token from it");
+  }
+  return token;
+}
+
+std::string utcNow() {
+  const std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  ::gmtime_r(&t, &tm);
+  char text[32] = {};
+  std::strftime(text, sizeof(text), "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return text;
+}
+
+// How a round ended for this node, once its workers are all gone.
+struct Verdict {
+  enum Kind { kRestart, kFinished, kFailed, kClosed } kind = kClosed;
+  std::string reason;
+  std::string failure;  // JSON, for kFailed (and kRestart after a failure)
 };
 
-enum class GroupOutcome { kSucceeded, kFailed, kSignalled };
+// A stop signal arrived before any worker ran.
+struct StopRequested {
+  int sig;
+};
+
+class Agent {
+ public:
+  Agent(const LaunchOptions& options, std::vector<std::string> command)
+      : options_(options),
+        command_(std::move(command)),
+        plan_(planRendezvous(options)),
+        signals_(options.signalsToHandle),
+        base_(currentEnvironment()) {}
+
+  AgentResult run();
+
+ private:
+  void startRendezvous();
+  void connect();
+  rendezvous::JoinRequest joinRequest() const;
+  // Joins the next round; an assignment, or the job's end for this node.
+  std::variant<Assignment, AgentResult> joinRound();
+  std::optional<AgentResult> runRound(const Assignment& a);
+  std::vector<detail::WorkerSpec> workerSpecs(const Assignment& a, const std::string& attemptDir);
+  // Polls the signalfd, the rendezvous connection and `extra` until something is ready or
+  // `until`; heartbeats on the way.
+  void waitForActivity(std::vector<pollfd>& fds, Clock::time_point until);
+  std::optional<rendezvous::RendezvousEvent> takeEvent();
+  AgentResult ended(int exitCode, std::string message, const std::string& failureJson = "");
+  std::string endpointName() const {
+    return plan_.embedded ? "the embedded server" : plan_.endpoint.str();
+  }
+
+  const LaunchOptions& options_;
+  const std::vector<std::string> command_;
+  const RendezvousPlan plan_;
+  SignalFd signals_;  // before any thread starts, so that every thread inherits the mask
+  detail::Guardian guardian_;  // forked before any thread starts too
+  const std::vector<std::string> base_;
+  ScratchDir scratch_;
+  std::string token_;
+  std::string tokenFile_;
+  std::unique_ptr<rendezvous::StoreServer> server_;
+  std::unique_ptr<rendezvous::RendezvousClient> client_;
+  std::string storeHost_;
+  int storePort_ = 0;
+  std::string address_;  // this node's address for the others
+  std::string node_;
+  int masterPort_ = 0;   // the MASTER_PORT this node offers, should it be node 0
+  int restarts_ = 0;
+  Clock::time_point nextHeartbeat_ = Clock::now();
+  std::optional<std::string> lost_;  // the rendezvous connection failed: why
+};
+
+AgentResult Agent::ended(int exitCode, std::string message, const std::string& failureJson) {
+  AgentResult result{.exitCode = exitCode, .message = std::move(message), .restarts = restarts_};
+  if (!failureJson.empty()) {
+    try {
+      result.failure = Failure::fromJson(failureJson);
+    } catch (const ProtocolError& e) {
+      log::warn("unreadable failure report from the rendezvous: {}", e.what());
+    }
+  }
+  return result;
+}
+
+void Agent::startRendezvous() {
+  const auto& conf = options_.rdzvConf;
+  const bool allowPytorch = conf.allowPytorchClients.value_or(false);
+  if (plan_.embedded) {
+    token_ = toHex(randomBytes(32));
+    tokenFile_ = writeToken(scratch_.path(), token_);
+    server_ = std::make_unique<rendezvous::StoreServer>(
+        rendezvous::ServerOptions{.host = "127.0.0.1",
+                                  .port = 0,
+                                  .token = token_,
+                                  .allowPytorchClients = allowPytorch,
+                                  .pytorchRunId = options_.rdzvId});
+    storeHost_ = "127.0.0.1";
+    storePort_ = server_->port();
+    connect();
+    return;
+  }
+  tokenFile_ = conf.tokenFile;
+  if (tokenFile_.empty()) {
+    if (const char* env = std::getenv("FSDPRUN_TOKEN_FILE")) tokenFile_ = env;
+  }
+  if (!tokenFile_.empty()) {
+    tokenFile_ = std::filesystem::absolute(tokenFile_).string();
+    token_ = readToken(tokenFile_, conf.tokenFile.empty() ? "FSDPRUN_TOKEN_FILE" : "--rdzv_conf token_file");
+  }
+  storeHost_ = plan_.endpoint.host;
+  storePort_ = plan_.endpoint.port;
+  if (plan_.mayHost) {
+    const rendezvous::ServerOptions serverOptions{
+        .host = plan_.bindHost,
+        .port = static_cast<std::uint16_t>(plan_.endpoint.port),
+        .token = token_,
+        .allowPytorchClients = conf.allowPytorchClients,
+        .pytorchRunId = options_.rdzvId};
+    try {
+      server_ = std::make_unique<rendezvous::StoreServer>(serverOptions);
+    } catch (const NetworkError& e) {
+      if (plan_.bindHost == "::") {  // no IPv6 here: the IPv4 wildcard then
+        auto v4 = serverOptions;
+        v4.host = "0.0.0.0";
+        try {
+          server_ = std::make_unique<rendezvous::StoreServer>(v4);
+        } catch (const NetworkError&) {
+        }
+      }
+      if (!server_) {
+        const auto holder = portHolder(plan_.endpoint.port);
+        if (plan_.mustHost) {
+          throw ConfigError("--rdzv_endpoint " + plan_.endpoint.str() +
+                            ": cannot serve the rendezvous here (is_host=true): " + e.what() +
+                            (holder ? " (held by " + *holder + ")" : ""));
+        }
+        log::info("rendezvous port {} is taken{}: joining the server there", plan_.endpoint.port,
+                  holder ? " by " + *holder : "");
+      }
+    }
+    if (server_) log::info("serving the rendezvous of run '{}' on {}", options_.rdzvId, plan_.endpoint.str());
+  }
+  connect();
+}
+
+void Agent::connect() {
+  const auto start = Clock::now();
+  const Deadline deadline = Deadline::after(options_.rdzvConf.joinTimeout);
+  std::string lastError;
+  for (;;) {
+    // Short attempts, so that a stop signal is honoured while the endpoint is not up yet.
+    try {
+      client_ = rendezvous::RendezvousClient::connect(
+          storeHost_, static_cast<std::uint16_t>(storePort_),
+          {.connectTimeout = std::min<std::chrono::milliseconds>(2000ms, deadline.remaining()),
+           .runId = options_.rdzvId,
+           .token = token_});
+      break;
+    } catch (const TimeoutError& e) {
+      lastError = e.what();
+    } catch (const NetworkError& e) {
+      lastError = e.what();
+    } catch (const ProtocolError& e) {
+      const auto holder = portHolder(storePort_);
+      throw ConfigError("--rdzv_endpoint " + endpointName() +
+                        ": something answers there but it is not an fsdprun rendezvous server" +
+                        (holder ? " (" + *holder + ")" : "") + ": " + e.what());
+    }
+    for (int sig : signals_.take()) {
+      if (isStopSignal(sig)) throw StopRequested{sig};
+    }
+    if (deadline.expired()) {
+      throw ConfigError("--rdzv_endpoint " + endpointName() + ": unreachable after " +
+                        std::to_string(elapsedMs(start)) + " ms (join_timeout " +
+                        std::to_string(options_.rdzvConf.joinTimeout.count() / 1000.0).substr(0, 6) +
+                        " s; last error: " + lastError + ")");
+    }
+  }
+  address_ = !options_.localAddr.empty() ? options_.localAddr
+             : plan_.embedded            ? std::string("127.0.0.1")
+                                         : client_->localAddress();
+  node_ = plan_.embedded ? hostName() : (options_.localAddr.empty() ? hostName() : options_.localAddr);
+  if (options_.masterPort && (plan_.embedded || options_.rdzvBackend == "c10d")) {
+    masterPort_ = *options_.masterPort;
+  } else {
+    masterPort_ = freePort(isAddressLiteral(address_) ? address_ : "0.0.0.0");
+  }
+}
+
+rendezvous::JoinRequest Agent::joinRequest() const {
+  rendezvous::JoinRequest join;
+  join.node = node_;
+  join.address = address_;
+  join.localWorldSize = options_.nprocPerNode;
+  join.preferredRank = plan_.preferredRank;
+  join.masterPort = masterPort_;
+  join.minNodes = plan_.embedded ? 1 : options_.minNodes;
+  join.maxNodes = plan_.embedded ? 1 : options_.maxNodes;
+  join.maxRestarts = options_.maxRestarts;
+  join.lastCallTimeout = options_.rdzvConf.lastCallTimeout;
+  join.joinTimeout = options_.rdzvConf.joinTimeout;
+  join.heartbeatTimeout = options_.rdzvConf.heartbeatTimeout;
+  return join;
+}
+
+void Agent::waitForActivity(std::vector<pollfd>& fds, Clock::time_point until) {
+  fds.insert(fds.begin(), {pollfd{signals_.fd(), POLLIN, 0}, pollfd{client_->fd(), POLLIN, 0}});
+  for (;;) {
+    const auto now = Clock::now();
+    if (now >= nextHeartbeat_ && !lost_) {
+      try {
+        client_->heartbeat();
+      } catch (const Error& e) {
+        lost_ = e.what();
+      }
+      nextHeartbeat_ = now + options_.rdzvConf.heartbeatInterval;
+    }
+    if (client_->hasBufferedEvent()) return;
+    const auto wake = std::min(until, nextHeartbeat_);
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(wake - now).count();
+    if (lost_) fds[1].events = 0;  // a broken connection stays readable
+    const int r = ::poll(fds.data(), fds.size(), static_cast<int>(std::clamp<long long>(ms, 0, 1 << 30)));
+    if (r < 0 && errno != EINTR) throwErrno("poll", errno);
+    if (r > 0 || Clock::now() >= until) return;
+  }
+}
+
+std::optional<rendezvous::RendezvousEvent> Agent::takeEvent() {
+  if (lost_) return std::nullopt;
+  try {
+    return client_->nextEvent(0ms);
+  } catch (const Error& e) {
+    lost_ = e.what();
+    return std::nullopt;
+  }
+}
+
+std::variant<Assignment, AgentResult> Agent::joinRound() {
+  try {
+    client_->sendJoin(joinRequest());
+  } catch (const Error& e) {
+    lost_ = e.what();
+  }
+  for (;;) {
+    if (lost_) return ended(1, "lost the rendezvous server " + endpointName() + ": " + *lost_);
+    std::vector<pollfd> fds;
+    waitForActivity(fds, Clock::time_point::max());
+    for (int sig : signals_.take()) {
+      if (isStopSignal(sig)) {
+        return ended(128 + sig, "received " + signalName(sig) + " while waiting for the rendezvous");
+      }
+    }
+    while (auto event = takeEvent()) {
+      switch (event->kind) {
+        case EventKind::kAssigned: return event->assignment;
+        case EventKind::kRunFinished: return ended(0, event->reason);
+        case EventKind::kRunFailed: return ended(1, event->reason, event->failure);
+        case EventKind::kRunClosed: return ended(1, "the run was closed: " + event->reason);
+        case EventKind::kJoinFailed:
+        case EventKind::kDisconnect:
+          return ended(1, "rendezvous at " + endpointName() + " refused node " + node_ + ": " +
+                              event->reason);
+        case EventKind::kRoundEnded: break;  // news of a round this node has already left
+      }
+    }
+  }
+}
+
+std::vector<detail::WorkerSpec> Agent::workerSpecs(const Assignment& a, const std::string& attemptDir) {
+  std::vector<detail::WorkerSpec> specs;
+  for (int local = 0; local < options_.nprocPerNode; ++local) {
+    const WorkerIdentity id{.localRank = local,
+                            .rank = a.rankOffset + local,
+                            .worldSize = a.worldSize,
+                            .localWorldSize = options_.nprocPerNode,
+                            .groupRank = a.nodeRank,
+                            .groupWorldSize = a.nnodes,
+                            .restartCount = a.restartCount,
+                            .round = a.round};
+    WorkerContact contact{.masterAddr = a.masterAddr,
+                          .masterPort = a.masterPort,
+                          .agentStore = a.pytorchStore,
+                          .storeHost = storeHost_,
+                          .storePort = storePort_,
+                          .localAddress = address_,
+                          .tokenFile = tokenFile_,
+                          .errorFile = attemptDir + "/" + std::to_string(local) + "/error.json",
+                          .node = node_};
+    if (a.pytorchStore) {
+      contact.masterAddr = storeHost_;
+      contact.masterPort = storePort_;
+    }
+    // A membership-change round reuses the attempt's directory: no stale error file.
+    std::error_code ec;
+    std::filesystem::remove(contact.errorFile, ec);
+    specs.push_back({local, id.rank, command_, workerEnvironment(options_, id, contact, base_)});
+  }
+  return specs;
+}
+
+std::optional<AgentResult> Agent::runRound(const Assignment& a) {
+  restarts_ = a.restartCount;
+  const std::string runDir = options_.logDir.empty()
+                                 ? scratch_.path() + "/" + options_.rdzvId
+                                 : options_.logDir + "/" + options_.rdzvId;
+  const std::string attemptDir = runDir + "/attempt_" + std::to_string(a.restartCount);
+  log::debug("round {}: node rank {} of {}, ranks {}-{} of {}", a.round, a.nodeRank, a.nnodes,
+             a.rankOffset, a.rankOffset + options_.nprocPerNode - 1, a.worldSize);
+  detail::WorkerGroup group(workerSpecs(a, attemptDir),
+                            {.redirects = options_.redirects,
+                             .tee = options_.tee,
+                             .localRanksFilter = options_.localRanksFilter},
+                            attemptDir, guardian_);
+
+  enum class State { kRunning, kSucceeded, kStopping } state = State::kRunning;
+  std::optional<Verdict> verdict;
+  std::optional<int> stopSignal;
+  auto killAt = Clock::time_point::max();
+  // Signals the workers once; the shutdown timeout starts with the first stop.
+  const auto stopGroup = [&](int sig) {
+    group.signalAll(sig);
+    if (state == State::kStopping) return;
+    state = State::kStopping;
+    killAt = Clock::now() + options_.shutdownTimeout;
+  };
+
+  for (;;) {
+    std::vector<pollfd> fds;
+    group.addPollFds(fds);
+    waitForActivity(fds, killAt);
+    group.pump(fds);
+
+    for (int sig : signals_.take()) {
+      if (sig == SIGCHLD) continue;
+      if (isStopSignal(sig)) {
+        if (stopSignal) {
+          group.signalAll(SIGKILL);  // a second stop signal: no more waiting
+        } else {
+          log::warn("received {}: stopping the workers", signalName(sig));
+          stopSignal = sig;
+          stopGroup(sig);
+        }
+      } else {
+        group.signalAll(sig);  // e.g. SIGUSR1 from Slurm before the time limit
+      }
+    }
+
+    for (const auto& exit : group.reap()) {
+      if (state != State::kRunning || exit.status == 0) continue;
+      Failure f{.rank = exit.rank,
+                .localRank = exit.localRank,
+                .node = node_,
+                .pid = exit.pid,
+                .waitStatus = exit.status,
+                .secondsAfterStart = exit.secondsAfterStart,
+                .time = utcNow(),
+                .restartCount = a.restartCount,
+                .error = group.errorMessage(exit.localRank).value_or(""),
+                .stderrTail = group.stderrTail(exit.localRank)};
+      const std::string reason = "rank " + std::to_string(f.rank) + " (local_rank " +
+                                 std::to_string(f.localRank) + ", pid " + std::to_string(f.pid) +
+                                 ") failed: " + describeWaitStatus(f.waitStatus);
+      log::warn("{}", reason);
+      try {
+        client_->endRound(reason, f.toJson());
+      } catch (const Error& e) {
+        lost_ = e.what();
+      }
+      stopGroup(SIGTERM);
+    }
+    if (state == State::kRunning && group.running() == 0) {
+      state = State::kSucceeded;
+      try {
+        client_->succeeded();
+      } catch (const Error& e) {
+        lost_ = e.what();
+      }
+    }
+
+    while (!verdict) {
+      const auto event = takeEvent();
+      if (!event) break;
+      switch (event->kind) {
+        case EventKind::kRoundEnded:
+          verdict = Verdict{Verdict::kRestart, event->reason, event->failure};
+          break;
+        case EventKind::kRunFinished: verdict = Verdict{Verdict::kFinished, event->reason, ""}; break;
+        case EventKind::kRunFailed:
+          verdict = Verdict{Verdict::kFailed, event->reason, event->failure};
+          break;
+        case EventKind::kRunClosed:
+        case EventKind::kJoinFailed:
+        case EventKind::kDisconnect:
+          verdict = Verdict{Verdict::kClosed, "the run was closed: " + event->reason, ""};
+          break;
+        case EventKind::kAssigned: break;  // cannot happen while a member
+      }
+    }
+    if (!verdict && lost_) {
+      verdict = Verdict{Verdict::kClosed,
+                        "lost the rendezvous server " + endpointName() + ": " + *lost_, ""};
+    }
+    if (verdict && state == State::kRunning) stopGroup(SIGTERM);
+
+    if (Clock::now() >= killAt && group.running() > 0) {
+      log::warn("{} worker(s) still running {} ms after the stop signal: sending SIGKILL",
+                group.running(), options_.shutdownTimeout.count());
+      group.signalAll(SIGKILL);
+      killAt = Clock::time_point::max();
+    }
+    if (group.running() > 0) continue;
+    if (stopSignal) {
+      return ended(128 + *stopSignal, "received " + signalName(*stopSignal) + ": stopped every worker");
+    }
+    if (!verdict) continue;  // succeeded here; waiting for the other nodes
+    switch (verdict->kind) {
+      case Verdict::kRestart:
+        log::warn("restarting the workers: {}", verdict->reason);
+        return std::nullopt;
+      case Verdict::kFinished: return ended(0, verdict->reason);
+      case Verdict::kFailed: return ended(1, verdict->reason, verdict->failure);
+      case Verdict::kClosed: return ended(1, verdict->reason);
+    }
+  }
+}
+
+AgentResult Agent::run() {
+  try {
+    startRendezvous();
+  } catch (const StopRequested& stop) {
+    return ended(128 + stop.sig, "received " + signalName(stop.sig) +
+                                     " while connecting to the rendezvous at " + endpointName());
+  }
+  for (;;) {
+    auto joined = joinRound();
+    if (auto* result = std::get_if<AgentResult>(&joined)) return std::move(*result);
+    if (auto result = runRound(std::get<Assignment>(joined))) return std::move(*result);
+  }
+}
+
+std::string joinLines(const std::string& text, const std::string& indent) {
+  std::string out;
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) out += indent + line + "\n";
+  return out;
+}
 
 }  // namespace
 
+std::string Failure::toJson() const {
+  return nlohmann::json{{"rank", rank},
+                        {"local_rank", localRank},
+                        {"node", node},
+                        {"pid", pid},
+                        {"wait_status", waitStatus},
+                        {"seconds_after_start", secondsAfterStart},
+                        {"time", time},
+                        {"restart_count", restartCount},
+                        {"error", error},
+                        {"stderr_tail", stderrTail}}
+      .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+Failure Failure::fromJson(const std::string& text) {
+  const auto j = nlohmann::json::parse(text, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) throw ProtocolError("malformed failure report");
+  try {
+    return Failure{j.at("rank").get<int>(),
+                   j.at("local_rank").get<int>(),
+                   j.at("node").get<std::string>(),
+                   j.at("pid").get<int>(),
+                   j.at("wait_status").get<int>(),
+                   j.at("seconds_after_start").get<double>(),
+                   j.value("time", std::string()),
+                   j.value("restart_count", 0),
+                   j.value("error", std::string()),
+                   j.value("stderr_tail", std::string())};
+  } catch (const nlohmann::json::exception& e) {
+    throw ProtocolError(std::string("malformed failure report: ") + e.what());
+  }
+}
+
+RendezvousPlan planRendezvous(const LaunchOptions& o) {
+  RendezvousPlan plan;
+  plan.preferredRank = o.nodeRank.value_or(-1);
+  const bool staticBackend = o.rdzvBackend == "static";
+  const bool singleNode = o.maxNodes == 1 && o.rdzvEndpoint.empty() &&
+                          (!staticBackend || o.sources.count("master_addr") == 0 ||
+                           o.sources.at("master_addr") == "default");
+  if (o.standalone || singleNode) {
+    plan.embedded = true;
+    return plan;
+  }
+  if (staticBackend) {
+    const std::string text = !o.rdzvEndpoint.empty()
+                                 ? o.rdzvEndpoint
+                                 : o.masterAddr + ":" + std::to_string(o.masterPort.value_or(kDefaultStaticPort));
+    plan.endpoint = parseEndpoint(text, kDefaultStaticPort,
+                                  o.rdzvEndpoint.empty() ? "--master_addr/--master_port" : "--rdzv_endpoint");
+  } else {
+    if (o.rdzvEndpoint.empty()) {
+      throw ConfigError("--nnodes " + std::to_string(o.minNodes) + ":" + std::to_string(o.maxNodes) +
+                        " needs --rdzv_endpoint HOST[:PORT]: where the nodes meet (any node of "
+                        "the job, or an fsdprun-rdzv daemon)");
+    }
+    plan.endpoint = parseEndpoint(o.rdzvEndpoint, kDefaultC10dPort, "--rdzv_endpoint");
+  }
+  if (o.rdzvConf.isHost) {
+    plan.mayHost = plan.mustHost = *o.rdzvConf.isHost;
+  } else {
+    plan.mayHost = isThisHost(plan.endpoint.host);
+  }
+  const auto& host = plan.endpoint.host;
+  // A literal address is bound as given; a name may resolve here (127.0.1.1 on Debian) to
+  // something else than on the other nodes, so every interface listens.
+  plan.bindHost = host == "localhost" ? "127.0.0.1" : isAddressLiteral(host) ? host : "::";
+  return plan;
+}
+
+AgentResult runAgent(const LaunchOptions& options, const std::vector<std::string>& command) {
+  // A busy port the user asked for is named now, not after the workers failed on it.
+  if (options.masterPort && planRendezvous(options).embedded &&
+      portBusy("127.0.0.1", *options.masterPort)) {
+    const auto holder = portHolder(*options.masterPort);
+    throw ConfigError("--master_port " + std::to_string(*options.masterPort) +
+                      ": the port is in use on this host" + (holder ? " by " + *holder : "") +
+                      "; leave --master_port out and fsdprun picks a free one (" +
+                      std::to_string(freePort()) + " is free now)");
+  }
+  ::signal(SIGPIPE, SIG_IGN);  // a console that went away must not kill the agent
+  Agent agent(options, command);
+  return agent.run();
+}
+
 std::vector<std::string> workerEnvironment(const LaunchOptions& options, const WorkerIdentity& id,
-                                           const std::string& storeHost, int storePort,
-                                           int masterPort, std::vector<std::string> base,
-                                           const std::string& tokenFile) {
+                                           const WorkerContact& contact,
+                                           std::vector<std::string> base) {
   std::map<std::string, std::string> set = {
       {"RANK", std::to_string(id.rank)},
       {"LOCAL_RANK", std::to_string(id.localRank)},
@@ -135,23 +659,27 @@ std::vector<std::string> workerEnvironment(const LaunchOptions& options, const W
       {"ROLE_RANK", std::to_string(id.rank)},
       {"ROLE_WORLD_SIZE", std::to_string(id.worldSize)},
       {"ROLE_NAME", options.role},
-      {"MASTER_ADDR", options.masterAddr},
-      {"MASTER_PORT", std::to_string(masterPort)},
+      {"MASTER_ADDR", contact.masterAddr},
+      {"MASTER_PORT", std::to_string(contact.masterPort)},
       {"TORCHELASTIC_RUN_ID", options.rdzvId},
       {"TORCHELASTIC_RESTART_COUNT", std::to_string(id.restartCount)},
       {"TORCHELASTIC_MAX_RESTARTS", std::to_string(options.maxRestarts)},
-      {"TORCHELASTIC_USE_AGENT_STORE", "False"},
-      {"FSDPRUN_STORE_ADDR", storeHost},
-      {"FSDPRUN_STORE_PORT", std::to_string(storePort)},
+      {"TORCHELASTIC_USE_AGENT_STORE", contact.agentStore ? "True" : "False"},
+      {"FSDPRUN_STORE_ADDR", contact.storeHost},
+      {"FSDPRUN_STORE_PORT", std::to_string(contact.storePort)},
       {"FSDPRUN_ROUND", std::to_string(id.round)},
-      {"FSDPRUN_LOCAL_ADDR", storeHost},
+      {"FSDPRUN_LOCAL_ADDR", contact.localAddress},
   };
-  if (!tokenFile.empty()) set["FSDPRUN_TOKEN_FILE"] = tokenFile;
+  if (!contact.tokenFile.empty()) set["FSDPRUN_TOKEN_FILE"] = contact.tokenFile;
+  if (!contact.errorFile.empty()) set["TORCHELASTIC_ERROR_FILE"] = contact.errorFile;
+  if (!contact.node.empty()) set["FSDPRUN_NODE"] = contact.node;
   std::vector<std::string> env;
   bool haveOmp = false;
   for (auto& entry : base) {
     const std::string key = entry.substr(0, entry.find('='));
     if (key == "OMP_NUM_THREADS") haveOmp = true;
+    // A token left in the agent's own environment never reaches the workers.
+    if (key == "FSDPRUN_TOKEN") continue;
     if (!set.contains(key)) env.push_back(std::move(entry));
   }
   if (!haveOmp) env.push_back("OMP_NUM_THREADS=1");
@@ -159,100 +687,67 @@ std::vector<std::string> workerEnvironment(const LaunchOptions& options, const W
   return env;
 }
 
-std::string describeFailure(const Failure& f) {
+std::string describeFailure(const Failure& f, int maxRestarts) {
   std::ostringstream out;
   out.setf(std::ios::fixed);
   out.precision(3);
-  out << "rank " << f.rank << " (local_rank " << f.localRank << ", pid " << f.pid
-      << ") failed first: " << describeWaitStatus(f.waitStatus) << ", " << f.secondsAfterStart
-      << " s after it started (attempt " << f.attempt << ")";
+  out << "rank " << f.rank << " (local_rank " << f.localRank << " on " << f.node << ", pid "
+      << f.pid << ") failed first: " << describeWaitStatus(f.waitStatus) << ", "
+      << f.secondsAfterStart << " s after it started";
+  if (!f.time.empty()) out << ", at " << f.time;
+  out << " (restart " << f.restartCount << " of " << maxRestarts << ")\n";
+  if (!f.error.empty()) {
+    out << "  its error (TORCHELASTIC_ERROR_FILE):\n" << joinLines(f.error, "    ");
+  }
+  if (!f.stderrTail.empty()) {
+    out << "  the last lines of its stderr:\n" << joinLines(f.stderrTail, "    | ");
+  }
+  if (f.error.empty() && f.stderrTail.empty()) out << "  it wrote nothing to stderr\n";
   return out.str();
 }
 
-AgentResult runStandalone(const LaunchOptions& options, const std::vector<std::string>& command) {
-  SignalFd signals;  // before any thread starts, so that every thread inherits the mask
-  const TokenFile token;
-  rendezvous::StoreServer store(
-      rendezvous::ServerOptions{.host = "127.0.0.1", .port = 0, .token = token.token()});
-  const int masterPort = options.masterPort.value_or(freePort());
-  const auto baseEnv = currentEnvironment();
-  log::debug("store on 127.0.0.1:{}, {} worker(s), MASTER_PORT {}", store.port(),
-            options.nprocPerNode, masterPort);
-
-  AgentResult result;
-  for (int attempt = 0;; ++attempt) {
-    std::vector<Worker> workers;
-    workers.reserve(options.nprocPerNode);
-    for (int local = 0; local < options.nprocPerNode; ++local) {
-      WorkerIdentity id{.localRank = local,
-                        .rank = local,
-                        .worldSize = options.nprocPerNode,
-                        .localWorldSize = options.nprocPerNode,
-                        .groupRank = 0,
-                        .groupWorldSize = 1,
-                        .restartCount = attempt,
-                        .round = attempt};
-      SpawnOptions spawn{.argv = command,
-                         .env = workerEnvironment(options, id, "127.0.0.1", store.port(),
-                                                  masterPort, baseEnv, token.path())};
-      workers.push_back(Worker{id, ChildProcess::spawn(spawn), Deadline::Clock::now()});
-    }
-
-    std::optional<Failure> failure;
-    std::optional<int> stopSignal;
-    std::size_t running = workers.size();
-    while (running > 0 && !failure && !stopSignal) {
-      for (int sig : signals.wait(std::chrono::milliseconds(-1))) {
-        if (sig != SIGCHLD) stopSignal = sig;
-      }
-      running = 0;
-      for (auto& w : workers) {
-        const bool wasRunning = !w.process.reaped();
-        const auto status = w.process.tryWait();
-        if (!status) {
-          ++running;
-          continue;
-        }
-        if (wasRunning && *status != 0 && !failure) {
-          failure = Failure{w.id.rank, w.id.localRank, w.process.pid(), *status,
-                            std::chrono::duration<double>(Deadline::Clock::now() - w.started).count(),
-                            attempt};
-        }
-      }
-    }
-
-    if (running > 0) {
-      // Stop the rest of the group: the signal that stopped us (or SIGTERM), then SIGKILL.
-      const int sig = stopSignal.value_or(SIGTERM);
-      for (auto& w : workers) w.process.signal(sig);
-      const Deadline deadline = Deadline::after(options.shutdownTimeout);
-      for (auto& w : workers) {
-        if (!w.process.waitFor(deadline.remaining())) {
-          log::warn("worker rank {} (pid {}) ignored {} for {} ms: sending SIGKILL", w.id.rank,
-                    w.process.pid(), signalName(sig), options.shutdownTimeout.count());
-          w.process.signal(SIGKILL);
-          w.process.waitFor(std::chrono::seconds(10));
-        }
-      }
-    }
-    if (stopSignal) {
-      log::warn("received {}: stopped every worker", signalName(*stopSignal));
-      result.exitCode = 128 + *stopSignal;
-      return result;
-    }
-    if (!failure) {
-      result.exitCode = 0;
-      return result;
-    }
-    if (attempt >= options.maxRestarts) {
-      result.firstFailure = failure;
-      result.exitCode = 1;
-      return result;
-    }
-    ++result.restarts;
-    log::warn("{}; restarting the worker group ({} of {} restarts)", describeFailure(*failure),
-              attempt + 1, options.maxRestarts);
+std::string describeConfiguration(const LaunchOptions& o, const std::vector<std::string>& command) {
+  std::ostringstream out;
+  const auto line = [&](const std::string& key, const std::string& value) {
+    const auto it = o.sources.find(key);
+    out << key << ": " << value << "  (" << (it == o.sources.end() ? "default" : it->second)
+        << ")\n";
+  };
+  const auto plan = planRendezvous(o);
+  line("nnodes", o.minNodes == o.maxNodes ? std::to_string(o.minNodes)
+                                          : std::to_string(o.minNodes) + ":" + std::to_string(o.maxNodes));
+  line("nproc_per_node", std::to_string(o.nprocPerNode));
+  if (plan.embedded) {
+    out << "rendezvous: embedded on 127.0.0.1 (a free port), one node\n";
+  } else {
+    line("rdzv_backend", o.rdzvBackend);
+    line(o.rdzvBackend == "static" && o.rdzvEndpoint.empty() ? "master_addr" : "rdzv_endpoint",
+         plan.endpoint.str());
+    out << "rendezvous host: "
+        << (plan.mustHost ? "this node (is_host=true)"
+            : plan.mayHost ? "this node, unless the port is already served"
+                           : "another node")
+        << "\n";
   }
+  line("node_rank", o.nodeRank ? std::to_string(*o.nodeRank) : "assigned by the rendezvous");
+  line("rdzv_id", o.rdzvId);
+  line("max_restarts", std::to_string(o.maxRestarts));
+  line("role", o.role);
+  if (!o.localAddr.empty()) line("local_addr", o.localAddr);
+  if (!o.logDir.empty()) line("log_dir", o.logDir);
+  std::ostringstream timeout;
+  timeout << o.shutdownTimeout.count() / 1000.0 << " s";
+  line("shutdown_timeout", timeout.str());
+  const auto& c = o.rdzvConf;
+  out << "rdzv_conf: join_timeout=" << c.joinTimeout.count() / 1000.0
+      << " last_call_timeout=" << c.lastCallTimeout.count() / 1000.0
+      << " heartbeat_interval=" << c.heartbeatInterval.count() / 1000.0
+      << " heartbeat_timeout=" << c.heartbeatTimeout.count() / 1000.0 << "  ("
+      << o.sources.at("rdzv_conf") << ")\n";
+  out << "command:";
+  for (const auto& arg : command) out << ' ' << arg;
+  out << '\n';
+  return out.str();
 }
 
 }  // namespace fsdp::launcher

@@ -1,5 +1,5 @@
-// fsdprun: the launcher. Exit codes: 0 success, 1 workers failed after all restarts,
-// 2 bad usage, 128+N stopped by signal N.
+// fsdprun: the launcher. Exit codes: 0 success, 1 the job failed (workers failed after all
+// restarts), 2 bad usage, 128+N stopped by signal N.
 #include <iostream>
 
 #include "fsdp/common/error.hpp"
@@ -21,10 +21,16 @@ void warnAboutReferenceBlas() {
   }
 }
 
+// Each message goes out in one write: workers share the console.
+void printError(std::string text) {
+  while (!text.empty() && text.back() == '\n') text.pop_back();
+  std::cerr << "fsdprun: error: " + text + "\n" << std::flush;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  fsdp::log::setup({.role = "fsdprun"});
+  fsdp::log::setup({.role = "fsdprun", .defaultLevel = spdlog::level::warn});
   const auto env = fsdp::processEnv();
   try {
     const auto parsed = fsdp::launcher::parseCommandLine(argc, argv, env);
@@ -34,34 +40,26 @@ int main(int argc, char** argv) {
     }
     const auto& options = *parsed.options;
     const auto command = fsdp::launcher::workerCommand(options, env);
-    if (options.maxNodes > 1 || (!options.standalone && !options.rdzvEndpoint.empty())) {
-      throw fsdp::ConfigError(
-          "--nnodes " + std::to_string(options.minNodes) + ":" + std::to_string(options.maxNodes) +
-          " / --rdzv_endpoint: multi-node rendezvous is not implemented yet; use --standalone "
-          "(one node)");
-    }
     if (options.dryRun) {
-      std::cout << "nnodes: 1 (standalone)\nnproc_per_node: " << options.nprocPerNode
-                << "\nmax_restarts: " << options.maxRestarts << "\nrole: " << options.role
-                << "\nrdzv_id: " << options.rdzvId << "\ncommand:";
-      for (const auto& arg : command) std::cout << ' ' << arg;
-      std::cout << '\n';
+      std::cout << fsdp::launcher::describeConfiguration(options, command);
       return 0;
     }
     warnAboutReferenceBlas();
-    const auto result = fsdp::launcher::runStandalone(options, command);
-    if (result.exitCode == 1 && result.firstFailure) {
-      std::cerr << "fsdprun: error: worker " + fsdp::launcher::describeFailure(*result.firstFailure) +
-                       "; " + std::to_string(result.restarts) + " restart(s) of " +
-                       std::to_string(options.maxRestarts) + " used\n"
-                << std::flush;
+    const auto result = fsdp::launcher::runAgent(options, command);
+    if (result.exitCode == 1) {
+      if (result.failure) {
+        printError(fsdp::launcher::describeFailure(*result.failure, options.maxRestarts));
+      }
+      if (!result.message.empty()) printError(result.message);
+    } else if (result.exitCode != 0 && !result.message.empty()) {
+      fsdp::log::warn("{}", result.message);
     }
     return result.exitCode;
   } catch (const fsdp::ConfigError& e) {
-    std::cerr << "fsdprun: error: " + std::string(e.what()) + "\n" << std::flush;
+    printError(e.what());
     return 2;
   } catch (const std::exception& e) {
-    std::cerr << "fsdprun: error: " + std::string(e.what()) + "\n" << std::flush;
+    printError(e.what());
     return 1;
   }
 }

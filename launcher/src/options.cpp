@@ -1,8 +1,12 @@
 #include "fsdp/launcher/options.hpp"
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <cstring>
+#include <filesystem>
+#include <memory>
 #include <thread>
 
 #include "fsdp/common/error.hpp"
@@ -19,7 +23,113 @@ std::optional<int> positiveInt(const std::string& value) {
   return static_cast<int>(*n);
 }
 
+bool truthy(const std::string& value) {
+  return value == "1" || value == "true" || value == "True" || value == "TRUE" || value == "yes";
+}
+
+// One option: its flag names, its PET_ variable and where its text lands before conversion.
+struct Spec {
+  const char* key;    // the name in `sources` and in messages ("nproc_per_node")
+  const char* names;  // CLI11 names: "--nproc_per_node,--nproc-per-node"
+  const char* help;
+  const char* group;
+  bool isFlag = false;
+};
+
+constexpr const char* kWorkers = "Worker/node size";
+constexpr const char* kRdzv = "Rendezvous";
+constexpr const char* kLaunch = "User-code launch";
+constexpr const char* kLogs = "Logging";
+
+const Spec kSpecs[] = {
+    {"nnodes", "--nnodes", "Number of nodes, N or MIN:MAX (elastic)", kWorkers},
+    {"nproc_per_node", "--nproc_per_node,--nproc-per-node",
+     "Workers per node: N, auto (GPUs, else CPUs), cpu or gpu", kWorkers},
+    {"node_rank", "--node_rank,--node-rank", "Rank of this node (static rendezvous)", kWorkers},
+    {"standalone", "--standalone",
+     "Single-node job: an embedded rendezvous on a free loopback port", kRdzv, true},
+    {"rdzv_backend", "--rdzv_backend,--rdzv-backend", "Rendezvous backend: c10d or static", kRdzv},
+    {"rdzv_endpoint", "--rdzv_endpoint,--rdzv-endpoint",
+     "HOST[:PORT] of the rendezvous server ([IPv6]:PORT); default port 29400", kRdzv},
+    {"rdzv_id", "--rdzv_id,--rdzv-id", "Job id, the same on every node", kRdzv},
+    {"rdzv_conf", "--rdzv_conf,--rdzv-conf",
+     "KEY=VALUE,... : join_timeout, last_call_timeout, close_timeout, heartbeat_interval, "
+     "heartbeat_timeout (seconds), is_host, token_file, allow_pytorch_clients",
+     kRdzv},
+    {"master_addr", "--master_addr,--master-addr",
+     "Rendezvous host of the static backend (node 0's address)", kRdzv},
+    {"master_port", "--master_port,--master-port",
+     "Rendezvous port of the static backend; with --standalone, MASTER_PORT for the workers", kRdzv},
+    {"local_addr", "--local_addr,--local-addr",
+     "Address of this node for the other nodes (default: the one facing the rendezvous server)",
+     kRdzv},
+    {"max_restarts", "--max_restarts,--max-restarts",
+     "Restarts of the worker group after failures before giving up", kLaunch},
+    {"monitor_interval", "--monitor_interval,--monitor-interval",
+     "Accepted for torchrun compatibility; fsdprun reacts to worker exits at once", kLaunch},
+    {"role", "--role", "Role name of the workers (ROLE_NAME)", kLaunch},
+    {"no_python", "--no_python,--no-python", "Execute PROGRAM directly, even when it ends in .py",
+     kLaunch, true},
+    {"module", "-m,--module", "PROGRAM is a Python module (python3 -m)", kLaunch, true},
+    {"run_path", "--run_path,--run-path", "PROGRAM is a Python script whatever its name", kLaunch,
+     true},
+    {"start_method", "--start_method,--start-method",
+     "Accepted for torchrun compatibility (spawn, fork, forkserver); workers are always exec'd",
+     kLaunch},
+    {"signals_to_handle", "--signals_to_handle,--signals-to-handle",
+     "Signals forwarded to the workers (default SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2); "
+     "TERM/INT/HUP/QUIT also stop the job",
+     kLaunch},
+    {"shutdown_timeout", "--shutdown_timeout,--shutdown-timeout",
+     "Seconds between the stop signal and SIGKILL", kLaunch},
+    {"no_slurm", "--no_slurm,--no-slurm", "Ignore the SLURM_* environment", kLaunch, true},
+    {"dry_run", "--dry_run,--dry-run",
+     "Print the resolved configuration, with where each value came from, and exit", kLaunch, true},
+    {"log_dir", "--log_dir,--log-dir",
+     "Worker logs under LOG_DIR/<run_id>/attempt_<k>/<local_rank>/{stdout,stderr}.log", kLogs},
+    {"redirects", "-r,--redirects",
+     "Send worker stdout (1), stderr (2) or both (3) to log files only; N or LOCAL_RANK:N,...",
+     kLogs},
+    {"tee", "-t,--tee",
+     "Copy worker stdout (1), stderr (2) or both (3) to log files and the console, prefixed "
+     "[rank<N>]:",
+     kLogs},
+    {"local_ranks_filter", "--local_ranks_filter,--local-ranks-filter",
+     "Only these local ranks' output reaches the console (e.g. 0 or 0,1)", kLogs},
+};
+
+std::string petName(const std::string& key) {
+  std::string name = "PET_";
+  for (char c : key) name += static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  return name;
+}
+
+std::vector<int> parseSignals(const std::string& text) {
+  std::vector<int> out;
+  std::size_t start = 0;
+  while (start <= text.size()) {
+    const auto end = std::min(text.find(',', start), text.size());
+    const std::string name = text.substr(start, end - start);
+    start = end + 1;
+    const auto sig = parseSignal(name);
+    if (!sig || *sig == SIGKILL || *sig == SIGSTOP || *sig == SIGCHLD) {
+      throw ConfigError("--signals_to_handle '" + text + "': '" + name +
+                        "' is not a signal fsdprun can handle (e.g. SIGTERM,SIGUSR1)");
+    }
+    out.push_back(*sig);
+  }
+  return out;
+}
+
 }  // namespace
+
+std::vector<int> defaultSignalsToHandle() {
+  return {SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2};
+}
+
+bool isStopSignal(int sig) {
+  return sig == SIGTERM || sig == SIGINT || sig == SIGHUP || sig == SIGQUIT;
+}
 
 int parseNprocPerNode(const std::string& value, int cpus, int gpus) {
   if (const auto n = positiveInt(value)) return *n;
@@ -50,126 +160,176 @@ std::pair<int, int> parseNnodes(const std::string& value) {
   return {*lo, *hi};
 }
 
+int countGpus(const EnvLookup& env) {
+  if (const auto visible = env("CUDA_VISIBLE_DEVICES")) {
+    if (visible->empty() || *visible == "-1" || *visible == "NoDevFiles") return 0;
+    return static_cast<int>(std::count(visible->begin(), visible->end(), ',')) + 1;
+  }
+  int count = 0;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator("/dev", ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.size() > 6 && name.starts_with("nvidia") &&
+        std::all_of(name.begin() + 6, name.end(), [](unsigned char c) { return std::isdigit(c); })) {
+      ++count;
+    }
+  }
+  return count;
+}
+
 ParseResult parseCommandLine(int argc, const char* const* argv, const EnvLookup& env) {
-  CLI::App app{"fsdprun: launch a (fully sharded) data-parallel training job.\n"
-               "Usage: fsdprun [options] PROGRAM [ARGS...]",
+  CLI::App app{"fsdprun: launch a (fully sharded) data-parallel training job on this node, on "
+               "several nodes, or under Slurm.\nUsage: fsdprun [options] PROGRAM [ARGS...]",
                "fsdprun"};
   app.prefix_command();
   app.set_version_flag("--version", kVersion);
-  LaunchOptions o;
-  std::string nnodes = "1";
-  std::string nproc = "1";
-  std::string shutdownTimeout = "30";
-  std::string masterPort;
-  std::string monitorInterval = "0.1";
-  std::string maxRestarts = "0";
+  app.get_formatter()->column_width(42);
 
-  // PET_<NAME> fallbacks, as torchrun: applied before parsing, overridden by flags.
-  const auto pet = [&env](const char* name, std::string& target) {
-    if (auto v = env(std::string("PET_") + name)) target = *v;
+  std::map<std::string, std::string> text = {
+      {"nnodes", "1"},          {"nproc_per_node", "1"},   {"rdzv_backend", "static"},
+      {"rdzv_id", "none"},      {"max_restarts", "0"},     {"monitor_interval", "0.1"},
+      {"role", "default"},      {"master_addr", "127.0.0.1"}, {"start_method", "spawn"},
+      {"shutdown_timeout", "30"},
   };
-  pet("NNODES", nnodes);
-  pet("NPROC_PER_NODE", nproc);
-  pet("MAX_RESTARTS", maxRestarts);
-  pet("MONITOR_INTERVAL", monitorInterval);
-  pet("RDZV_BACKEND", o.rdzvBackend);
-  pet("RDZV_ENDPOINT", o.rdzvEndpoint);
-  pet("RDZV_ID", o.rdzvId);
-  pet("ROLE", o.role);
-  pet("MASTER_ADDR", o.masterAddr);
-  pet("MASTER_PORT", masterPort);
-  if (auto v = env("PET_STANDALONE")) o.standalone = (*v == "1" || *v == "true");
-
-  const char* kGroupWorkers = "Worker/node size";
-  const char* kGroupRdzv = "Rendezvous";
-  const char* kGroupUser = "User-code launch";
-  app.add_option("--nnodes", nnodes, "Number of nodes, N or MIN:MAX")->group(kGroupWorkers);
-  app.add_option("--nproc_per_node,--nproc-per-node", nproc,
-                 "Workers per node: N, auto, cpu or gpu")
-      ->group(kGroupWorkers);
-  app.add_flag("--standalone", o.standalone,
-               "Single-node job: an embedded rendezvous store on a free loopback port")
-      ->group(kGroupRdzv);
-  app.add_option("--rdzv_backend,--rdzv-backend", o.rdzvBackend, "Rendezvous backend")
-      ->group(kGroupRdzv);
-  app.add_option("--rdzv_endpoint,--rdzv-endpoint", o.rdzvEndpoint, "HOST[:PORT] of the store")
-      ->group(kGroupRdzv);
-  app.add_option("--rdzv_id,--rdzv-id", o.rdzvId, "Job id, shared by every node")
-      ->group(kGroupRdzv);
-  app.add_option("--master_addr,--master-addr", o.masterAddr, "MASTER_ADDR given to workers")
-      ->group(kGroupRdzv);
-  app.add_option("--master_port,--master-port", masterPort,
-                 "MASTER_PORT given to workers (default: a free port)")
-      ->group(kGroupRdzv);
-  app.add_option("--max_restarts,--max-restarts", maxRestarts,
-                 "Restarts of the worker group before giving up")
-      ->group(kGroupUser);
-  app.add_option("--monitor_interval,--monitor-interval", monitorInterval,
-                 "Accepted for torchrun compatibility; fsdprun reacts to worker exits at once")
-      ->group(kGroupUser);
-  app.add_option("--role", o.role, "Role name of the workers (ROLE_NAME)")->group(kGroupUser);
-  app.add_flag("--no_python,--no-python", o.noPython,
-               "Execute PROGRAM directly, even when it ends in .py")
-      ->group(kGroupUser);
-  app.add_flag("-m,--module", o.module, "PROGRAM is a Python module (python3 -m)")
-      ->group(kGroupUser);
-  app.add_option("--shutdown_timeout,--shutdown-timeout", shutdownTimeout,
-                 "Seconds between the stop signal and SIGKILL")
-      ->group(kGroupUser);
-  app.add_flag("--dry_run,--dry-run", o.dryRun, "Print the resolved configuration and exit")
-      ->group(kGroupUser);
+  std::map<std::string, bool> flags;
+  std::map<std::string, CLI::Option*> cli;
+  LaunchOptions o;
+  for (const Spec& spec : kSpecs) {
+    if (spec.isFlag) {
+      bool& target = flags[spec.key];
+      cli[spec.key] = app.add_flag(spec.names, target, spec.help)->group(spec.group);
+    } else {
+      std::string& target = text[spec.key];
+      cli[spec.key] = app.add_option(spec.names, target, spec.help)->group(spec.group);
+    }
+  }
 
   try {
     app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
+  } catch (const CLI::CallForHelp&) {
     return {std::nullopt, app.help(), 0};
-  } catch (const CLI::CallForVersion& e) {
+  } catch (const CLI::CallForVersion&) {
     return {std::nullopt, std::string(kVersion) + "\n", 0};
   } catch (const CLI::ParseError& e) {
     throw ConfigError(e.what());
   }
 
+  // Sources, and PET_<NAME> fallbacks for what the command line left out (as torchrun).
+  for (const Spec& spec : kSpecs) {
+    const std::string key = spec.key;
+    if (cli[key]->count() > 0) {
+      o.sources[key] = "flag";
+      continue;
+    }
+    const std::string pet = petName(key);
+    if (const auto value = env(pet)) {
+      o.sources[key] = "environment " + pet;
+      if (spec.isFlag) {
+        flags[key] = truthy(*value);
+      } else {
+        text[key] = *value;
+      }
+    } else {
+      o.sources[key] = "default";
+    }
+  }
+
   o.command = app.remaining();
-  if (o.command.empty()) throw ConfigError("missing PROGRAM: usage: fsdprun [options] PROGRAM [ARGS...]");
+  if (o.command.empty()) {
+    throw ConfigError("missing PROGRAM: usage: fsdprun [options] PROGRAM [ARGS...]");
+  }
   if (o.command.front().starts_with("-")) {
     throw ConfigError("unknown flag '" + o.command.front() + "' (see fsdprun --help)");
   }
 
-  std::tie(o.minNodes, o.maxNodes) = parseNnodes(nnodes);
-  const int cpus = std::max(1u, std::thread::hardware_concurrency());
-  o.nprocPerNode = parseNprocPerNode(nproc, cpus, 0);
-  const auto restarts = parseInt(maxRestarts);
+  o.standalone = flags["standalone"];
+  o.noPython = flags["no_python"];
+  o.module = flags["module"];
+  o.runPath = flags["run_path"];
+  o.noSlurm = flags["no_slurm"];
+  o.dryRun = flags["dry_run"];
+
+  std::tie(o.minNodes, o.maxNodes) = parseNnodes(text["nnodes"]);
+  const int cpus = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const std::string nproc = text["nproc_per_node"];
+  o.nprocPerNode = parseNprocPerNode(nproc, cpus,
+                                     nproc == "auto" || nproc == "gpu" ? countGpus(env) : 0);
+  if (!text["node_rank"].empty()) {
+    const auto rank = parseInt(text["node_rank"]);
+    if (!rank || *rank < 0 || *rank >= o.maxNodes) {
+      throw ConfigError("--node_rank '" + text["node_rank"] + "': expected 0 to " +
+                        std::to_string(o.maxNodes - 1) + " (--nnodes is " + text["nnodes"] + ")");
+    }
+    o.nodeRank = static_cast<int>(*rank);
+  }
+  const auto restarts = parseInt(text["max_restarts"]);
   if (!restarts || *restarts < 0 || *restarts > 1'000'000) {
-    throw ConfigError("--max_restarts '" + maxRestarts + "': expected a non-negative integer");
+    throw ConfigError("--max_restarts '" + text["max_restarts"] +
+                      "': expected a non-negative integer");
   }
   o.maxRestarts = static_cast<int>(*restarts);
-  const auto interval = parseDouble(monitorInterval);
+  const auto interval = parseDouble(text["monitor_interval"]);
   if (!interval || *interval <= 0) {
-    throw ConfigError("--monitor_interval '" + monitorInterval + "': expected a positive number of seconds");
+    throw ConfigError("--monitor_interval '" + text["monitor_interval"] +
+                      "': expected a positive number of seconds");
   }
   o.monitorInterval = *interval;
-  const auto timeout = parseDouble(shutdownTimeout);
-  if (!timeout || *timeout < 0) {
-    throw ConfigError("--shutdown_timeout '" + shutdownTimeout +
+  const auto timeout = parseDouble(text["shutdown_timeout"]);
+  if (!timeout || *timeout < 0 || *timeout > 1e6) {
+    throw ConfigError("--shutdown_timeout '" + text["shutdown_timeout"] +
                       "': expected a non-negative number of seconds");
   }
   o.shutdownTimeout = std::chrono::milliseconds(static_cast<long long>(*timeout * 1000));
-  if (!masterPort.empty()) {
-    const auto port = parseInt(masterPort);
+  if (!text["master_port"].empty()) {
+    const auto port = parseInt(text["master_port"]);
     if (!port || *port < 1 || *port > 65535) {
-      throw ConfigError("--master_port '" + masterPort + "': expected a port number 1-65535");
+      throw ConfigError("--master_port '" + text["master_port"] + "': expected a port number 1-65535");
     }
     o.masterPort = static_cast<int>(*port);
   }
+  o.rdzvBackend = text["rdzv_backend"];
   if (o.rdzvBackend != "static" && o.rdzvBackend != "c10d") {
     throw ConfigError("--rdzv_backend '" + o.rdzvBackend + "': expected 'c10d' or 'static'");
+  }
+  o.rdzvEndpoint = text["rdzv_endpoint"];
+  o.rdzvId = text["rdzv_id"];
+  if (o.rdzvId.empty() || o.rdzvId.size() > 255) {
+    throw ConfigError("--rdzv_id '" + o.rdzvId + "': expected 1-255 characters");
+  }
+  o.rdzvConf = RdzvConf::parse(text["rdzv_conf"]);
+  o.role = text["role"];
+  if (o.role.empty()) throw ConfigError("--role '': expected a name");
+  o.masterAddr = text["master_addr"];
+  if (o.masterAddr.empty()) throw ConfigError("--master_addr '': expected a host");
+  o.localAddr = text["local_addr"];
+  o.logDir = text["log_dir"];
+  o.redirects = StreamSpec::parse(text["redirects"], "--redirects");
+  o.tee = StreamSpec::parse(text["tee"], "--tee");
+  if (!text["local_ranks_filter"].empty()) {
+    o.localRanksFilter = parseLocalRanksFilter(text["local_ranks_filter"]);
+  }
+  o.startMethod = text["start_method"];
+  if (o.startMethod != "spawn" && o.startMethod != "fork" && o.startMethod != "forkserver") {
+    throw ConfigError("--start_method '" + o.startMethod +
+                      "': expected spawn, fork or forkserver");
+  }
+  o.signalsToHandle = text["signals_to_handle"].empty() ? defaultSignalsToHandle()
+                                                        : parseSignals(text["signals_to_handle"]);
+  if (o.standalone && o.maxNodes > 1) {
+    throw ConfigError("--standalone with --nnodes " + text["nnodes"] +
+                      ": a standalone job has one node; leave out --standalone and give "
+                      "--rdzv_endpoint for several");
+  }
+  if (o.noPython && o.module) {
+    throw ConfigError("--no_python and --module: a module needs the Python interpreter");
   }
   return {o, "", 0};
 }
 
 std::vector<std::string> workerCommand(const LaunchOptions& options, const EnvLookup& env) {
   const std::string& program = options.command.front();
-  const bool python = !options.noPython && (options.module || program.ends_with(".py"));
+  const bool python =
+      !options.noPython && (options.module || options.runPath || program.ends_with(".py"));
   std::vector<std::string> argv;
   if (python) {
     const std::string exec = env("PYTHON_EXEC").value_or("python3");
@@ -179,10 +339,8 @@ std::vector<std::string> workerCommand(const LaunchOptions& options, const EnvLo
     argv = {*interpreter, "-u"};
     if (options.module) {
       argv.push_back("-m");
-    } else {
-      if (::access(program.c_str(), R_OK) != 0) {
-        throw ConfigError("PROGRAM '" + program + "': no readable Python script at that path");
-      }
+    } else if (::access(program.c_str(), R_OK) != 0) {
+      throw ConfigError("PROGRAM '" + program + "': no readable Python script at that path");
     }
     argv.insert(argv.end(), options.command.begin(), options.command.end());
     return argv;

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "fsdp/common/process.hpp"
+#include "processes.hpp"
 #include "run_command.hpp"
 
 namespace {
@@ -98,42 +99,16 @@ TEST(Launcher, ExhaustedRestartsExitOneAndCountThem) {
       60s);
   ASSERT_FALSE(r.timedOut);
   EXPECT_EQ(r.exitCode, 1);
-  EXPECT_NE(r.err.find("2 restart(s) of 2 used"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("no restart left (2 of 2 used)"), std::string::npos) << r.err;
 }
 
-// Reads the pids the workers wrote, waiting (bounded) until all `n` exist.
 std::vector<int> waitForPids(const std::string& dir, int n) {
-  const auto deadline = std::chrono::steady_clock::now() + 30s;
-  while (std::chrono::steady_clock::now() < deadline) {
-    std::vector<int> pids;
-    for (int rank = 0; rank < n; ++rank) {
-      std::ifstream in(dir + "/" + std::to_string(rank) + ".pid");
-      int pid = 0;
-      if (in >> pid) pids.push_back(pid);
-    }
-    if (static_cast<int>(pids.size()) == n) return pids;
-    // Files appear from other processes; there is no event to wait on without inotify, so
-    // this bounded wait re-reads a few times a second.
-    std::this_thread::sleep_for(50ms);
-  }
-  return {};
+  std::vector<std::string> names;
+  for (int rank = 0; rank < n; ++rank) names.push_back(std::to_string(rank));
+  return fsdp::testing::waitForPidFiles(dir, names, 30s);
 }
 
-bool processGone(int pid, std::chrono::milliseconds within) {
-  const auto deadline = std::chrono::steady_clock::now() + within;
-  while (std::chrono::steady_clock::now() < deadline) {
-    // A zombie (not yet reaped by init) no longer runs: treat state Z as gone.
-    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-    std::string content;
-    if (!std::getline(stat, content)) return true;
-    const auto close = content.rfind(')');
-    if (close != std::string::npos && content.size() > close + 2 && content[close + 2] == 'Z') {
-      return true;
-    }
-    std::this_thread::sleep_for(20ms);
-  }
-  return false;
-}
+using fsdp::testing::processGone;
 
 void stopLauncherAndCheckNoWorkerSurvives(int sig, int expectedExit) {
   fsdp::testing::TempDir dir;

@@ -5,6 +5,9 @@
 #include "fsdp/common/error.hpp"
 #include "fsdp/launcher/agent.hpp"
 #include "fsdp/launcher/blas_check.hpp"
+#include "fsdp/launcher/net.hpp"
+
+#include <signal.h>
 
 namespace fsdp::launcher {
 namespace {
@@ -90,7 +93,8 @@ TEST(WorkerEnvironment, SetsTheTorchrunVariablesAndKeepsAUserOmpSetting) {
   o.role = "trainer";
   o.maxRestarts = 3;
   const WorkerIdentity id{.localRank = 1, .rank = 1, .worldSize = 2, .localWorldSize = 2, .restartCount = 2};
-  const auto env = workerEnvironment(o, id, "127.0.0.1", 1234, 5678, {"PATH=/bin", "RANK=9"});
+  const WorkerContact contact{.masterPort = 5678, .storePort = 1234, .errorFile = "/x/error.json"};
+  const auto env = workerEnvironment(o, id, contact, {"PATH=/bin", "RANK=9", "FSDPRUN_TOKEN=s"});
   const auto has = [&env](const std::string& entry) {
     return std::find(env.begin(), env.end(), entry) != env.end();
   };
@@ -98,13 +102,130 @@ TEST(WorkerEnvironment, SetsTheTorchrunVariablesAndKeepsAUserOmpSetting) {
                         "GROUP_WORLD_SIZE=1", "ROLE_RANK=1", "ROLE_WORLD_SIZE=2", "ROLE_NAME=trainer",
                         "MASTER_PORT=5678", "TORCHELASTIC_RESTART_COUNT=2",
                         "TORCHELASTIC_MAX_RESTARTS=3", "OMP_NUM_THREADS=1", "FSDPRUN_STORE_PORT=1234",
+                        "TORCHELASTIC_USE_AGENT_STORE=False", "TORCHELASTIC_ERROR_FILE=/x/error.json",
                         "PATH=/bin"}) {
     EXPECT_TRUE(has(e)) << e;
   }
   EXPECT_FALSE(has("RANK=9"));
-  const auto userOmp = workerEnvironment(o, id, "127.0.0.1", 1, 2, {"OMP_NUM_THREADS=4"});
+  EXPECT_FALSE(has("FSDPRUN_TOKEN=s"));
+  const auto userOmp = workerEnvironment(o, id, contact, {"OMP_NUM_THREADS=4"});
   EXPECT_NE(std::find(userOmp.begin(), userOmp.end(), "OMP_NUM_THREADS=4"), userOmp.end());
   EXPECT_EQ(std::find(userOmp.begin(), userOmp.end(), "OMP_NUM_THREADS=1"), userOmp.end());
+}
+
+TEST(ParseCommandLine, RecordsWhereEachValueCameFrom) {
+  const auto a = parse({"--nnodes", "2", "--rdzv_endpoint", "h:1", "--rdzv_backend", "c10d", "p"},
+                       {{"PET_MAX_RESTARTS", "3"}});
+  ASSERT_TRUE(a.options);
+  EXPECT_EQ(a.options->sources.at("nnodes"), "flag");
+  EXPECT_EQ(a.options->sources.at("max_restarts"), "environment PET_MAX_RESTARTS");
+  EXPECT_EQ(a.options->sources.at("role"), "default");
+  const auto text = describeConfiguration(*a.options, {"p"});
+  EXPECT_NE(text.find("nnodes: 2  (flag)"), std::string::npos) << text;
+  EXPECT_NE(text.find("max_restarts: 3  (environment PET_MAX_RESTARTS)"), std::string::npos) << text;
+  EXPECT_NE(text.find("rdzv_endpoint: h:1  (flag)"), std::string::npos) << text;
+}
+
+TEST(ParseCommandLine, ReadsTheLoggingAndSignalFlags) {
+  const auto a = parse({"-t", "3", "-r", "0:1,1:2", "--local_ranks_filter", "0,2",
+                        "--signals_to_handle", "SIGTERM,SIGUSR1", "--log-dir", "/tmp/x", "p"});
+  ASSERT_TRUE(a.options);
+  EXPECT_EQ(a.options->tee.forRank(5), 3);
+  EXPECT_EQ(a.options->redirects.forRank(0), kStdout);
+  EXPECT_EQ(a.options->redirects.forRank(1), kStderr);
+  EXPECT_EQ(a.options->redirects.forRank(2), 0);
+  EXPECT_EQ(*a.options->localRanksFilter, std::set<int>({0, 2}));
+  EXPECT_EQ(a.options->signalsToHandle, std::vector<int>({SIGTERM, SIGUSR1}));
+  EXPECT_EQ(a.options->logDir, "/tmp/x");
+  for (const auto& [args, mention] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"-r", "4", "p"}, "--redirects '4'"},
+           {{"--tee", "x:1", "p"}, "--tee 'x:1'"},
+           {{"--local_ranks_filter", "a", "p"}, "--local_ranks_filter 'a'"},
+           {{"--signals_to_handle", "SIGKILL", "p"}, "'SIGKILL'"},
+           {{"--start_method", "thread", "p"}, "--start_method 'thread'"},
+           {{"--node_rank", "2", "--nnodes", "2", "p"}, "--node_rank '2'"},
+           {{"--standalone", "--nnodes", "2", "p"}, "--standalone"},
+           {{"--rdzv_conf", "join_timeout=x", "p"}, "join_timeout=x"},
+       }) {
+    try {
+      parse(args);
+      ADD_FAILURE() << "no error for " << mention;
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find(mention), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(RdzvConf, ReadsSecondsAndTorchrunsKeepAliveKeys) {
+  const auto c = RdzvConf::parse("join_timeout=2.5,last_call_timeout=0,is_host=false,"
+                                 "read_timeout=60,token_file=/t");
+  EXPECT_EQ(c.joinTimeout, std::chrono::milliseconds(2500));
+  EXPECT_EQ(c.lastCallTimeout, std::chrono::milliseconds(0));
+  EXPECT_EQ(c.isHost, false);
+  EXPECT_EQ(c.tokenFile, "/t");
+  const auto k = RdzvConf::parse("keep_alive_interval=2,keep_alive_max_attempt=4");
+  EXPECT_EQ(k.heartbeatInterval, std::chrono::milliseconds(2000));
+  EXPECT_EQ(k.heartbeatTimeout, std::chrono::milliseconds(8000));
+  EXPECT_THROW(RdzvConf::parse("bogus=1"), ConfigError);
+  EXPECT_THROW(RdzvConf::parse("join_timeout=0"), ConfigError);
+  EXPECT_THROW(RdzvConf::parse("heartbeat_interval=5,heartbeat_timeout=5"), ConfigError);
+  EXPECT_THROW(RdzvConf::parse("is_host=maybe"), ConfigError);
+}
+
+TEST(ParseEndpoint, ReadsHostsPortsAndBracketedIpv6) {
+  EXPECT_EQ(parseEndpoint("node1", 29400, "--f").str(), "node1:29400");
+  EXPECT_EQ(parseEndpoint("node1:123", 29400, "--f").port, 123);
+  EXPECT_EQ(parseEndpoint("[::1]:99", 29400, "--f").host, "::1");
+  EXPECT_EQ(parseEndpoint("[::1]:99", 29400, "--f").str(), "[::1]:99");
+  EXPECT_EQ(parseEndpoint("fe80::1", 7, "--f").port, 7);
+  for (const char* bad : {"host:notaport", "host:0", "host:70000", "[::1", "host:", ":5", ""}) {
+    try {
+      parseEndpoint(bad, 1, "--rdzv_endpoint");
+      ADD_FAILURE() << "no error for " << bad;
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string("--rdzv_endpoint '") + bad + "'"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+}
+
+TEST(PlanRendezvous, SingleNodeIsEmbeddedAndMultiNodeNeedsAnEndpoint) {
+  EXPECT_TRUE(planRendezvous(*parse({"p"}).options).embedded);
+  EXPECT_TRUE(planRendezvous(*parse({"--standalone", "p"}).options).embedded);
+  const auto c10d = planRendezvous(
+      *parse({"--nnodes", "1:2", "--rdzv_backend", "c10d", "--rdzv_endpoint", "127.0.0.5", "p"}).options);
+  EXPECT_FALSE(c10d.embedded);
+  EXPECT_EQ(c10d.endpoint.port, 29400);
+  EXPECT_TRUE(c10d.mayHost);  // a loopback address is this host
+  EXPECT_EQ(c10d.bindHost, "127.0.0.5");
+  const auto stat = planRendezvous(
+      *parse({"--nnodes", "2", "--node_rank", "1", "--master_addr", "127.0.0.1", "p"}).options);
+  EXPECT_EQ(stat.endpoint.str(), "127.0.0.1:29500");
+  EXPECT_EQ(stat.preferredRank, 1);
+  const auto remote = planRendezvous(*parse({"--nnodes", "2", "--rdzv_backend", "c10d",
+                                             "--rdzv_endpoint", "192.0.2.1:5",
+                                             "--rdzv_conf", "is_host=0", "p"})
+                                          .options);
+  EXPECT_FALSE(remote.mayHost);
+  EXPECT_THROW(planRendezvous(*parse({"--nnodes", "2", "--rdzv_backend", "c10d", "p"}).options),
+               ConfigError);
+}
+
+TEST(FailureReport, RoundTripsThroughJsonAndQuotesTheWorker) {
+  const Failure f{.rank = 3, .localRank = 1, .node = "n2", .pid = 42, .waitStatus = 3 << 8,
+                  .secondsAfterStart = 1.5, .time = "2026-01-01T00:00:00Z", .restartCount = 1,
+                  .error = "ValueError: boom", .stderrTail = "line 1\nline 2\n"};
+  const auto back = Failure::fromJson(f.toJson());
+  EXPECT_EQ(back.rank, 3);
+  EXPECT_EQ(back.node, "n2");
+  EXPECT_EQ(back.stderrTail, f.stderrTail);
+  const auto text = describeFailure(back, 2);
+  EXPECT_NE(text.find("rank 3 (local_rank 1 on n2, pid 42) failed first: exit code 3"), std::string::npos) << text;
+  EXPECT_NE(text.find("ValueError: boom"), std::string::npos);
+  EXPECT_NE(text.find("| line 2"), std::string::npos);
+  EXPECT_NE(text.find("restart 1 of 2"), std::string::npos);
+  EXPECT_THROW(Failure::fromJson("{}"), ProtocolError);
 }
 
 TEST(InspectBlas, TellsReferenceFromOpenBlas) {

@@ -19,6 +19,7 @@ struct SpawnOptions {
   std::optional<std::string> stdoutPath;  // redirect (truncate) when set
   std::optional<std::string> stderrPath;
   std::optional<int> stdoutFd;            // dup2'ed onto stdout when set (e.g. a pipe's write end)
+  std::optional<int> stderrFd;            // dup2'ed onto stderr when set
   std::optional<int> stdinFd;             // dup2'ed onto stdin when set
 };
 

@@ -1,34 +1,64 @@
 #pragma once
-// The local elastic agent: serves the job's store, spawns the workers of this node with the
-// torchrun environment, watches them (SIGCHLD through signalfd, no polling), restarts the
-// group on failure up to --max_restarts, forwards stop signals, and reports the first failure.
+// The elastic agent: one per node. It joins the job's rendezvous (hosting the server when it
+// runs on the endpoint's host, or an embedded loopback server for --standalone), spawns the
+// node's workers with the torchrun environment, watches them (SIGCHLD through signalfd, no
+// polling), and follows the rounds: a failed worker ends the round for every node (a restart
+// counted against --max_restarts), a lost or new node too (not counted); every agent stops its
+// workers, re-joins, and starts them again. Stop signals are forwarded to the workers' process
+// groups, then SIGKILL after --shutdown_timeout.
 
-#include <chrono>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "fsdp/launcher/net.hpp"
 #include "fsdp/launcher/options.hpp"
 
 namespace fsdp::launcher {
 
-// What happened to the job, for the exit code and the report.
+// A worker that failed, as agents report it to each other (through the server) and to the user.
 struct Failure {
   int rank = -1;
   int localRank = -1;
+  std::string node;
   int pid = -1;
   int waitStatus = 0;
   double secondsAfterStart = 0;
-  int attempt = 0;
+  std::string time;         // wall-clock time of the failure, ISO 8601 (UTC)
+  int restartCount = 0;     // TORCHELASTIC_RESTART_COUNT of the failed worker
+  std::string error;        // from its TORCHELASTIC_ERROR_FILE, if it wrote one
+  std::string stderrTail;   // its last stderr lines
+
+  std::string toJson() const;
+  // Throws ProtocolError when malformed.
+  static Failure fromJson(const std::string& json);
 };
 
 struct AgentResult {
-  int exitCode = 0;                // 0, 1 (workers failed), 128+N (signal)
-  std::optional<Failure> firstFailure;
-  int restarts = 0;
+  int exitCode = 0;  // 0, 1 (the job failed), 2 (usage), 128+N (signal N)
+  std::optional<Failure> failure;  // the failure that ended the job, when one did
+  std::string message;             // why the job ended, when not plainly
+  int restarts = 0;                // restarts after failures
 };
 
-// The environment a worker gets, as "KEY=VALUE" entries (on top of the agent's own).
+// Where and how this node meets the others.
+struct RendezvousPlan {
+  bool embedded = false;   // a private loopback server (standalone / single node)
+  Endpoint endpoint;       // where agents and workers reach the server (multi-node)
+  bool mayHost = false;    // try to serve the endpoint here (bind; on EADDRINUSE join it)
+  bool mustHost = false;   // --rdzv_conf is_host=true: failing to bind is an error
+  std::string bindHost;    // address the hosted server binds
+  int preferredRank = -1;  // --node_rank, or Slurm's node id
+};
+// Throws ConfigError for incomplete multi-node settings.
+RendezvousPlan planRendezvous(const LaunchOptions& options);
+
+// Runs this node's part of the job to completion. Blocks the signals it handles in the calling
+// thread (call it from main before other threads exist). Throws ConfigError (exit 2) for an
+// unreachable endpoint, a busy explicit port, a token that cannot be read.
+AgentResult runAgent(const LaunchOptions& options, const std::vector<std::string>& command);
+
+// The worker environment (torchrun's variables and ours) on top of `base`.
 struct WorkerIdentity {
   int localRank = 0;
   int rank = 0;
@@ -39,16 +69,27 @@ struct WorkerIdentity {
   int restartCount = 0;
   int round = 0;
 };
+struct WorkerContact {
+  std::string masterAddr = "127.0.0.1";
+  int masterPort = 0;
+  bool agentStore = false;  // MASTER_ADDR:MASTER_PORT is the rendezvous server itself
+  std::string storeHost = "127.0.0.1";
+  int storePort = 0;
+  std::string localAddress = "127.0.0.1";
+  std::string tokenFile;
+  std::string errorFile;
+  std::string node;
+};
 std::vector<std::string> workerEnvironment(const LaunchOptions& options, const WorkerIdentity& id,
-                                           const std::string& storeHost, int storePort,
-                                           int masterPort, std::vector<std::string> base,
-                                           const std::string& tokenFile = "");
+                                           const WorkerContact& contact,
+                                           std::vector<std::string> base);
 
-// Runs a single-node job to completion. Blocks the signals it handles in the calling
-// thread (call it from main before other threads exist).
-AgentResult runStandalone(const LaunchOptions& options, const std::vector<std::string>& command);
+// The report of the failure that ended a job, several lines: who, how, when, its error file
+// or its last stderr lines.
+std::string describeFailure(const Failure& failure, int maxRestarts);
 
-// One line describing a failure: "rank 2 (local_rank 2, pid 123) failed: exit code 3 ...".
-std::string describeFailure(const Failure& failure);
+// The resolved configuration and where each value came from (--dry_run).
+std::string describeConfiguration(const LaunchOptions& options,
+                                  const std::vector<std::string>& command);
 
 }  // namespace fsdp::launcher

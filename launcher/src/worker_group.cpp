@@ -1,0 +1,279 @@
+#include "worker_group.hpp"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <cerrno>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "fsdp/common/error.hpp"
+#include "fsdp/common/log.hpp"
+
+namespace fsdp::launcher::detail {
+namespace {
+
+constexpr std::size_t kTailLines = 20;
+constexpr std::size_t kTailLineBytes = 2000;
+
+// Writes all of `data` to fd (console or file); a console that went away is not an error.
+void writeAll(int fd, const char* data, std::size_t n) {
+  while (n > 0) {
+    const ssize_t w = ::write(fd, data, n);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return;
+    }
+    data += w;
+    n -= static_cast<std::size_t>(w);
+  }
+}
+
+int openLog(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_APPEND, 0644);
+  if (fd < 0) throwErrno("opening the worker log " + path, errno);
+  return fd;
+}
+
+}  // namespace
+
+std::optional<std::string> readErrorFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return std::nullopt;
+  std::stringstream text;
+  text << in.rdbuf();
+  const auto j = nlohmann::json::parse(text.str(), nullptr, false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("message")) {
+    const std::string raw = text.str();
+    if (raw.empty()) return std::nullopt;
+    return raw.substr(0, 4000);
+  }
+  const auto& m = j["message"];
+  if (m.is_string()) return m.get<std::string>();
+  if (m.is_object()) {
+    std::string out = m.value("message", std::string());
+    if (m.contains("extraInfo") && m["extraInfo"].is_object()) {
+      const auto stack = m["extraInfo"].value("py_callstack", std::string());
+      if (!stack.empty()) out += "\n" + stack;
+    }
+    return out;
+  }
+  return m.dump();
+}
+
+WorkerGroup::WorkerGroup(std::vector<WorkerSpec> specs, const OutputOptions& output,
+                         std::string attemptDir, Guardian& guardian)
+    : output_(output), attemptDir_(std::move(attemptDir)), guardian_(guardian) {
+  workers_.reserve(specs.size());
+  for (auto& spec : specs) {
+    std::error_code ec;
+    std::filesystem::create_directories(dirOf(spec.localRank), ec);
+    if (ec) {
+      throw Error("creating the worker directory " + dirOf(spec.localRank) + ": " + ec.message());
+    }
+    Worker& w = workers_.emplace_back();
+    w.spec = std::move(spec);
+    SpawnOptions spawn{.argv = w.spec.argv, .env = w.spec.env};
+    setUpStream(w, w.out, kStdout, spawn);
+    setUpStream(w, w.err, kStderr, spawn);
+    w.started = Deadline::Clock::now();
+    // The child's ends of the pipes are in spawn.stdoutFd/stderrFd; close ours after exec.
+    struct CloseChildEnds {
+      SpawnOptions& s;
+      ~CloseChildEnds() {
+        if (s.stdoutFd) ::close(*s.stdoutFd);
+        if (s.stderrFd) ::close(*s.stderrFd);
+      }
+    } closer{spawn};
+    w.process = ChildProcess::spawn(spawn);
+    guardian_.watch(w.process->pid());
+  }
+}
+
+WorkerGroup::~WorkerGroup() {
+  for (auto& w : workers_) {
+    for (Stream* s : {&w.out, &w.err}) {
+      if (s->fd >= 0) ::close(s->fd);
+      if (s->fileFd >= 0) ::close(s->fileFd);
+    }
+    if (w.process && !w.reported) {
+      const pid_t pid = w.process->pid();
+      w.process.reset();  // kills the process group and reaps the worker
+      guardian_.forget(pid);
+    }
+  }
+}
+
+std::string WorkerGroup::dirOf(int localRank) const {
+  return attemptDir_ + "/" + std::to_string(localRank);
+}
+
+void WorkerGroup::setUpStream(Worker& w, Stream& s, int bit, SpawnOptions& spawn) {
+  const int lr = w.spec.localRank;
+  const bool redirected = (output_.redirects.forRank(lr) & bit) != 0;
+  const bool teed = (output_.tee.forRank(lr) & bit) != 0;
+  const bool filtered = output_.localRanksFilter && !output_.localRanksFilter->contains(lr);
+  const bool toFile = redirected || teed;
+  const bool toConsole = !redirected && !filtered;
+  s.prefix = teed && toConsole;
+  s.keepTail = bit == kStderr;  // the failure report quotes it
+  const std::string file = dirOf(lr) + (bit == kStdout ? "/stdout.log" : "/stderr.log");
+  if (!s.keepTail && !s.prefix) {
+    // Nothing to do in between: let the worker write straight to its destination.
+    if (toFile && !toConsole) {
+      spawn.stdoutPath = file;
+    } else if (!toFile && !toConsole) {
+      spawn.stdoutPath = "/dev/null";
+    }
+    if (!toFile || !toConsole) return;  // inherited console, or one file
+  }
+  std::array<int, 2> fds{};
+  if (::pipe2(fds.data(), O_CLOEXEC) != 0) throwErrno("pipe2 for worker output", errno);
+  ::fcntl(fds[0], F_SETFL, ::fcntl(fds[0], F_GETFL) | O_NONBLOCK);
+  s.fd = fds[0];
+  (bit == kStdout ? spawn.stdoutFd : spawn.stderrFd) = fds[1];
+  s.consoleFd = toConsole ? (bit == kStdout ? STDOUT_FILENO : STDERR_FILENO) : -1;
+  if (toFile) s.fileFd = openLog(file);
+}
+
+void WorkerGroup::addPollFds(std::vector<pollfd>& fds) const {
+  for (const auto& w : workers_) {
+    for (const Stream* s : {&w.out, &w.err}) {
+      if (s->fd >= 0) fds.push_back({s->fd, POLLIN, 0});
+    }
+  }
+}
+
+void WorkerGroup::pump(const std::vector<pollfd>& fds) {
+  for (const auto& p : fds) {
+    if ((p.revents & (POLLIN | POLLHUP | POLLERR)) == 0) continue;
+    for (auto& w : workers_) {
+      if (w.out.fd == p.fd) readStream(w, w.out);
+      if (w.err.fd == p.fd) readStream(w, w.err);
+    }
+  }
+}
+
+void WorkerGroup::readStream(Worker& w, Stream& s) {
+  std::array<char, 65536> buffer{};
+  for (;;) {
+    const ssize_t n = ::read(s.fd, buffer.data(), buffer.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+    if (n <= 0) {  // EOF (every writer closed) or a broken pipe
+      ::close(s.fd);
+      s.fd = -1;
+      return;
+    }
+    const auto size = static_cast<std::size_t>(n);
+    if (s.fileFd >= 0) writeAll(s.fileFd, buffer.data(), size);
+    if (s.keepTail) keepTail(w, buffer.data(), size);
+    if (s.consoleFd < 0) continue;
+    if (!s.prefix) {
+      writeAll(s.consoleFd, buffer.data(), size);
+      continue;
+    }
+    // One write per chunk, so that ranks sharing the console interleave by whole chunks.
+    const std::string tag = "[rank" + std::to_string(w.spec.rank) + "]:";
+    std::string out;
+    out.reserve(size + tag.size() * 4);
+    for (std::size_t i = 0; i < size; ++i) {
+      if (s.atLineStart) out += tag;
+      out += buffer[i];
+      s.atLineStart = buffer[i] == '\n';
+    }
+    writeAll(s.consoleFd, out.data(), out.size());
+  }
+}
+
+void WorkerGroup::keepTail(Worker& w, const char* data, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) {
+    if (data[i] == '\n') {
+      w.tail.push_back(std::move(w.partial));
+      w.partial.clear();
+      if (w.tail.size() > kTailLines) w.tail.pop_front();
+    } else if (w.partial.size() < kTailLineBytes) {
+      w.partial += data[i];
+    }
+  }
+}
+
+std::vector<WorkerExit> WorkerGroup::reap() {
+  std::vector<WorkerExit> exits;
+  for (auto& w : workers_) {
+    if (w.reported || !w.process) continue;
+    const pid_t pid = w.process->pid();
+    siginfo_t info{};
+    if (::waitid(P_PID, static_cast<id_t>(pid), &info, WSTOPPED | WCONTINUED | WNOHANG) == 0 &&
+        info.si_pid == pid) {
+      if (info.si_code == CLD_STOPPED) {
+        log::warn("rank {} (pid {}) was stopped by {}: its peers block in their next collective "
+                  "until it gets SIGCONT, or fail when their collective timeout expires",
+                  w.spec.rank, pid, signalName(info.si_status));
+      } else if (info.si_code == CLD_CONTINUED) {
+        log::info("rank {} (pid {}) continues", w.spec.rank, pid);
+      }
+    }
+    const auto status = w.process->tryWait();
+    if (!status) continue;
+    w.reported = true;
+    // Nothing the worker started outlives it: its process group goes now, while its id cannot
+    // have been reused (the group had members, or the leader was reaped just now).
+    ::kill(-pid, SIGKILL);
+    guardian_.forget(pid);
+    // Whatever the worker wrote before it died belongs before the news of its death. A pipe
+    // may stay open in a grandchild; read what is there without waiting for its EOF.
+    for (Stream* s : {&w.out, &w.err}) {
+      if (s->fd >= 0) readStream(w, *s);
+    }
+    exits.push_back({w.spec.localRank, w.spec.rank, w.process->pid(), *status,
+                     std::chrono::duration<double>(Deadline::Clock::now() - w.started).count()});
+  }
+  return exits;
+}
+
+void WorkerGroup::signalAll(int sig) {
+  const bool stop = sig == SIGTERM || sig == SIGINT || sig == SIGHUP || sig == SIGQUIT;
+  for (auto& w : workers_) {
+    if (!w.process || w.process->reaped()) continue;
+    w.process->signal(sig);
+    if (stop) w.process->signal(SIGCONT);
+  }
+}
+
+std::size_t WorkerGroup::running() const {
+  std::size_t n = 0;
+  for (const auto& w : workers_) n += w.process && !w.reported ? 1 : 0;
+  return n;
+}
+
+std::vector<pid_t> WorkerGroup::pids() const {
+  std::vector<pid_t> out;
+  for (const auto& w : workers_) {
+    if (w.process) out.push_back(w.process->pid());
+  }
+  return out;
+}
+
+std::optional<std::string> WorkerGroup::errorMessage(int localRank) const {
+  return readErrorFile(dirOf(localRank) + "/error.json");
+}
+
+std::string WorkerGroup::stderrTail(int localRank) const {
+  for (const auto& w : workers_) {
+    if (w.spec.localRank != localRank) continue;
+    std::string out;
+    for (const auto& line : w.tail) out += line + "\n";
+    if (!w.partial.empty()) out += w.partial + "\n";
+    return out;
+  }
+  return {};
+}
+
+}  // namespace fsdp::launcher::detail

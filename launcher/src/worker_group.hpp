@@ -1,0 +1,110 @@
+#pragma once
+// The workers of one node for one round: spawned in their own process groups, their output
+// routed (console, log files, "[rank<N>]:" prefixes), their stderr tail kept for the failure
+// report, and their exits reaped. Private to the launcher; driven by the agent's poll loop.
+//
+// Thread-safety: none; the agent's thread owns it.
+
+#include <poll.h>
+
+#include <chrono>
+#include <deque>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "fsdp/common/deadline.hpp"
+#include "fsdp/common/process.hpp"
+#include "fsdp/launcher/log_spec.hpp"
+#include "guardian.hpp"
+
+namespace fsdp::launcher::detail {
+
+struct WorkerSpec {
+  int localRank = 0;
+  int rank = 0;
+  std::vector<std::string> argv;
+  std::vector<std::string> env;  // full environment, "KEY=VALUE"
+};
+
+struct OutputOptions {
+  StreamSpec redirects;
+  StreamSpec tee;
+  std::optional<std::set<int>> localRanksFilter;
+};
+
+struct WorkerExit {
+  int localRank = 0;
+  int rank = 0;
+  pid_t pid = -1;
+  int status = 0;  // wait status
+  double secondsAfterStart = 0;
+};
+
+class WorkerGroup {
+ public:
+  // Starts one process per spec, each in its own process group that `guardian` watches. Each
+  // local rank's files live in attemptDir/<local_rank>/ ({stdout,stderr}.log when redirected
+  // or tee'd, error.json for TORCHELASTIC_ERROR_FILE, which the specs' environments must
+  // already name). Throws ConfigError/Error from spawn.
+  WorkerGroup(std::vector<WorkerSpec> specs, const OutputOptions& output, std::string attemptDir,
+              Guardian& guardian);
+  ~WorkerGroup();
+  WorkerGroup(const WorkerGroup&) = delete;
+  WorkerGroup& operator=(const WorkerGroup&) = delete;
+
+  // The output pipes still open, for poll().
+  void addPollFds(std::vector<pollfd>& fds) const;
+  // Moves whatever the readable pipes hold to its destinations.
+  void pump(const std::vector<pollfd>& fds);
+  // Reaps the workers that exited since the last call (after their output is drained) and
+  // kills what they left in their process groups. Logs workers stopped (SIGSTOP) or continued.
+  std::vector<WorkerExit> reap();
+  // Sends `sig` to every running worker's process group; after a stop signal also SIGCONT, so
+  // that a stopped worker can act on it.
+  void signalAll(int sig);
+  std::size_t running() const;
+  std::vector<pid_t> pids() const;
+
+  // What a failed worker left: its error file's message (TORCHELASTIC_ERROR_FILE), if any,
+  // and the last lines of its stderr.
+  std::optional<std::string> errorMessage(int localRank) const;
+  std::string stderrTail(int localRank) const;
+
+ private:
+  struct Stream {
+    int fd = -1;           // read end of the pipe; -1 when not piped or closed
+    int consoleFd = -1;    // 1 or 2, or -1 when this stream stays off the console
+    int fileFd = -1;       // log file, or -1
+    bool prefix = false;   // "[rank<N>]:" at the start of each console line
+    bool atLineStart = true;
+    bool keepTail = false;
+  };
+  struct Worker {
+    WorkerSpec spec;
+    std::optional<ChildProcess> process;
+    Deadline::Clock::time_point started;
+    Stream out;
+    Stream err;
+    std::deque<std::string> tail;  // last stderr lines
+    std::string partial;           // stderr bytes after the last newline
+    bool reported = false;
+  };
+  void setUpStream(Worker& w, Stream& s, int bit, SpawnOptions& spawn);
+  void readStream(Worker& w, Stream& s);
+  void keepTail(Worker& w, const char* data, std::size_t n);
+  std::string dirOf(int localRank) const;
+
+  std::vector<Worker> workers_;
+  OutputOptions output_;
+  std::string attemptDir_;
+  Guardian& guardian_;
+};
+
+// The message in a torchrun-style error file: {"message": "..."} or
+// {"message": {"message": "...", "extraInfo": {"py_callstack": "..."}}}. nullopt when the
+// file is missing or unreadable.
+std::optional<std::string> readErrorFile(const std::string& path);
+
+}  // namespace fsdp::launcher::detail

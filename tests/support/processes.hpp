@@ -1,0 +1,27 @@
+#pragma once
+// Test helpers about processes: pid files written by workers, liveness, and /proc scans that
+// find whatever a job left behind.
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+namespace fsdp::testing {
+
+// Reads <dir>/<name>.pid for every name, waiting (bounded) until all exist; empty on timeout.
+std::vector<int> waitForPidFiles(const std::string& dir, const std::vector<std::string>& names,
+                                 std::chrono::milliseconds timeout);
+
+// Whether `pid` is gone (or a zombie) within `within`.
+bool processGone(int pid, std::chrono::milliseconds within);
+
+// Live (non-zombie) processes whose environment holds `entry` ("KEY=VALUE").
+std::vector<int> processesWithEnvironment(const std::string& entry);
+
+// Live (non-zombie) processes in process group `pgid`.
+std::vector<int> processGroupMembers(int pgid);
+
+// A TCP port free on 127.0.0.1 right now (bind to port 0, read it back).
+int freeLoopbackPort();
+
+}  // namespace fsdp::testing
