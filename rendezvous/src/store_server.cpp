@@ -54,8 +54,9 @@ awaitable<void> readExact(tcp::socket& socket, asio::mutable_buffer buffer, Time
 }
 
 // Where torch.distributed's env:// init keys everything when it uses the agent's store
-// (TORCHELASTIC_USE_AGENT_STORE): PrefixStore("/worker/attempt_<n>").
-constexpr const char* kPytorchWorkerPrefix = "/worker/";
+// (TORCHELASTIC_USE_AGENT_STORE): PrefixStore("/worker/attempt_<n>"), which reaches the wire
+// as "//worker/attempt_<n>/..." (PyTorch joins prefixes with a '/').
+constexpr const char* kPytorchWorkerPrefixes[] = {"/worker/", "//worker/"};
 
 struct Run {
   std::string id;
@@ -527,7 +528,8 @@ void StoreServer::Impl::deliver(Run& run, const std::vector<Event>& events) {
   // round after a membership change keeps the count: drop what the previous round left (its
   // workers are gone: every member stopped them before re-joining).
   if (assigned && pytorchRun) {
-    const auto dropped = run.store.removePrefix(kPytorchWorkerPrefix);
+    std::size_t dropped = 0;
+    for (const char* prefix : kPytorchWorkerPrefixes) dropped += run.store.removePrefix(prefix);
     if (dropped > 0) log::debug("store server: run '{}': dropped {} keys of the previous round", run.id, dropped);
   }
 }

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <optional>
 
@@ -26,6 +27,7 @@ using namespace std::chrono_literals;
 const std::string kBin = FSDP_BIN_DIR;
 const std::string kFsdprun = kBin + "/fsdprun";
 const std::string kWorker = kBin + "/env_check_worker";
+const std::string kPythonWorker = std::string(FSDP_SOURCE_DIR) + "/tests/integration/python/ddp_worker.py";
 
 // One agent ("node") of a job, its output in files. Killed and reaped by the destructor.
 class Agent {
@@ -324,6 +326,81 @@ TEST(MultiNode, AgentsThatDisagreeOnTheNodeCountAreRefused) {
   second.signal(SIGTERM);
   EXPECT_TRUE(first.wait(10s).has_value());
   EXPECT_TRUE(second.wait(10s).has_value());
+}
+
+// A plain PyTorch program (env:// init, Gloo) under fsdprun, 2 agents x 2 workers.
+void runPytorchJob(const std::string& runId, std::vector<std::string> extraFlags,
+                   const std::string& expectAgentStore) {
+  if (::access("/usr/bin/python3", X_OK) != 0 ||
+      fsdp::testing::runCommand({"/usr/bin/python3", "-c", "import torch.distributed"}, 60s).exitCode != 0) {
+    GTEST_SKIP() << "python3-torch is not installed";
+  }
+  TempDir dir;
+  const int port = fsdp::testing::freeLoopbackPort();
+  std::vector<std::unique_ptr<Agent>> agents;
+  for (int node = 0; node < 2; ++node) {
+    std::vector<std::string> flags = {"--nproc_per_node", "2"};
+    flags.insert(flags.end(), extraFlags.begin(), extraFlags.end());
+    agents.push_back(std::make_unique<Agent>(
+        dir, "agent" + std::to_string(node),
+        withCommand(jobArgs("2", port, runId, node, flags), {kPythonWorker}),
+        std::vector<std::string>{"PYTHON_EXEC=/usr/bin/python3"}));
+  }
+  for (auto& a : agents) {
+    const auto code = a->wait(120s);
+    ASSERT_TRUE(code.has_value()) << a->output();
+    EXPECT_EQ(*code, 0) << a->output();
+  }
+  const std::string out = agents[0]->out() + agents[1]->out();
+  EXPECT_EQ(countOccurrences(out, " of 4: all_reduce ok"), 4) << out;
+  EXPECT_EQ(countOccurrences(out, "agent store " + expectAgentStore), 4) << out;
+}
+
+TEST(PytorchPrograms, EnvInitWorksUnchangedAgainstTheAgentsStore) {
+  runPytorchJob("py-agent-store", {}, "True");
+}
+
+TEST(PytorchPrograms, WithAJobTokenRankZeroHostsItsOwnStoreOnAFreePort) {
+  TempDir tokenDir;
+  const std::string token = tokenDir.path() + "/token";
+  {
+    std::ofstream(token) << "0123456789abcdef0123456789abcdef\n";
+    std::filesystem::permissions(token, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+  }
+  runPytorchJob("py-token", {"--rdzv_conf", "token_file=" + token}, "False");
+}
+
+TEST(PytorchPrograms, ARoundAfterALostNodeStartsCleanInTheAgentsStore) {
+  if (::access("/usr/bin/python3", X_OK) != 0 ||
+      fsdp::testing::runCommand({"/usr/bin/python3", "-c", "import torch.distributed"}, 60s).exitCode != 0) {
+    GTEST_SKIP() << "python3-torch is not installed";
+  }
+  // The round after a lost node keeps TORCHELASTIC_RESTART_COUNT 0, so PyTorch keys the same
+  // /worker/attempt_0 prefix: the server must have dropped the first round's keys (the
+  // first round's workers initialised their process group before they hung), or the second
+  // round's store-based barrier counts 3 + 2 arrivals and never sees 2.
+  TempDir dir;
+  const int port = fsdp::testing::freeLoopbackPort();
+  std::vector<std::unique_ptr<Agent>> agents;
+  for (int node = 0; node < 3; ++node) {
+    agents.push_back(std::make_unique<Agent>(
+        dir, "agent" + std::to_string(node),
+        withCommand(jobArgs("2:3", port, "py-lost-node", node,
+                            {"--nproc_per_node", "1", "--rdzv_conf",
+                             node == 0 ? "is_host=true,last_call_timeout=30" : "is_host=false,last_call_timeout=30"}),
+                    {kPythonWorker, "--pid_dir", dir.path(), "--hang_if_world", "3", "120"}),
+        std::vector<std::string>{"PYTHON_EXEC=/usr/bin/python3"}));
+  }
+  const auto pids = fsdp::testing::waitForPidFiles(dir.path(), {"0", "1", "2"}, 60s);
+  ASSERT_EQ(pids.size(), 3u) << agents[0]->output();
+  agents[2]->signal(SIGKILL);
+  agents[2]->wait(10s);
+  for (int i = 0; i < 2; ++i) {
+    const auto code = agents[i]->wait(120s);
+    ASSERT_TRUE(code.has_value()) << agents[i]->output();
+    EXPECT_EQ(*code, 0) << agents[i]->output();
+  }
+  EXPECT_EQ(countOccurrences(agents[0]->out() + agents[1]->out(), " of 2: all_reduce ok"), 2);
 }
 
 }  // namespace
