@@ -34,6 +34,9 @@ void emit(const nlohmann::json& line);
 // The path of this fsdp-bench binary (its siblings fsdprun and fsdprun-rdzv live beside it).
 std::string selfExe();
 
+// A TCP port free on 127.0.0.1 now (port 0 bound, read back, closed).
+std::uint16_t freePort();
+
 // Median and percentiles of samples (sorted in place).
 double percentile(std::vector<double>& samples, double p);
 
@@ -45,6 +48,8 @@ int rdzvJoinHelper(std::uint16_t port, int count, int total);
 int storeInitHelper(const std::string& server, std::uint16_t port, int count, int total);
 int c10dServer();
 void launch(const Args& args);
+void restart(const Args& args);
+void multiAgent(const Args& args);
 void fsdpTrain(const Args& args);
 void collectives(const Args& args);
 int collectivesWorker(const std::string& mbList, int reps);

@@ -96,24 +96,6 @@ Outcome runAll(const std::vector<SpawnOptions>& commands, std::chrono::seconds l
   return outcome;
 }
 
-std::uint16_t freePort() {
-  // Port 0 on loopback, read back, closed: the peer's TCPStore binds it right after.
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof addr;
-  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    const int err = errno;
-    if (fd >= 0) ::close(fd);
-    throwErrno("bench: finding a free port", err);
-  }
-  const auto port = ntohs(addr.sin_port);
-  ::close(fd);
-  return port;
-}
-
 // `world` python processes of a torch.distributed script (env:// rendezvous on loopback).
 std::vector<SpawnOptions> torchProcesses(const std::vector<std::string>& args, int world,
                                          int threads) {

@@ -1,4 +1,6 @@
 // fsdp-bench NAME [--flag value ...] | --list | --all
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -51,6 +53,24 @@ double percentile(std::vector<double>& samples, double p) {
   return samples[std::min(index, samples.size() - 1)];
 }
 
+std::uint16_t freePort() {
+  // Port 0 on loopback, read back, closed: the peer's TCPStore binds it right after.
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    const int err = errno;
+    if (fd >= 0) ::close(fd);
+    throwErrno("bench: finding a free port", err);
+  }
+  const auto port = ntohs(addr.sin_port);
+  ::close(fd);
+  return port;
+}
+
 }  // namespace fsdp::bench
 
 int main(int argc, char** argv) {
@@ -72,10 +92,21 @@ int main(int argc, char** argv) {
        {"clients", "server", "reps"},
        storeInit},
       {"launch",
-       "fsdprun vs torchrun (--monitor_interval 0.1): --standalone --nproc_per_node N /bin/true "
-       "(--n 1,2,4,8 --reps 5)",
+       "fsdprun vs torchrun (--monitor_interval 0.1): --standalone --nproc_per_node N: wall of a "
+       "/bin/true job, start -> every worker started (--n 1,2,4,8 --reps 5)",
        {"n", "reps", "torchrun"},
        launch},
+      {"restart",
+       "fsdprun vs torchrun (--monitor_interval 0.1): rank 0 exits 1 once; its exit -> every "
+       "restarted worker running, 1 node x 2 workers and 2 agents x 1 worker "
+       "(--setups standalone2,agents2 --reps 5)",
+       {"setups", "reps", "torchrun"},
+       restart},
+      {"multi_agent",
+       "fsdprun vs torchrun (--monitor_interval 0.1): K agents on loopback, start -> every worker "
+       "started, agent peak RSS (--agents 2,4,8,16 --reps 3)",
+       {"agents", "reps", "torchrun"},
+       multiAgent},
       {"fsdp_train",
        "DeepNet (--model deep|shallow|gpt) for --steps on 2 ranks x 1 thread per FSDP strategy, one "
        "LibTorch process x 2 threads, PyTorch DDP on Gloo 2 x 1 and PyTorch 1 x 2: samples/s and "

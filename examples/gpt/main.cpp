@@ -16,6 +16,7 @@
 
 #include "../common/example_utils.hpp"
 #include "fsdp/common/error.hpp"
+#include "fsdp/worker/errors.hpp"
 #include "fsdp/worker/fsdp.hpp"
 #include "fsdp/worker/runtime.hpp"
 #include "model.hpp"
@@ -319,13 +320,5 @@ int main(int argc, char** argv) {
     // --help exits 0; every usage error exits 2, as with every tool of ours.
     return app.exit(e) == 0 ? 0 : 2;
   }
-  try {
-    return run(f);
-  } catch (const fsdp::ConfigError& e) {
-    std::cerr << "gpt: error: " + std::string(e.what()) + "\n" << std::flush;
-    return 2;
-  } catch (const std::exception& e) {
-    std::cerr << "gpt: error: " + std::string(e.what()) + "\n" << std::flush;
-    return 1;
-  }
+  return fsdp::runMain("gpt", [&] { return run(f); });
 }

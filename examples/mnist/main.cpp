@@ -15,6 +15,7 @@
 
 #include "fashion_mnist.hpp"
 #include "fsdp/common/error.hpp"
+#include "fsdp/worker/errors.hpp"
 #include "fsdp/worker/fsdp.hpp"
 #include "fsdp/worker/runtime.hpp"
 #include "../common/example_utils.hpp"
@@ -242,14 +243,5 @@ int main(int argc, char** argv) {
     // --help exits 0; every usage error exits 2, as with every tool of ours.
     return app.exit(e) == 0 ? 0 : 2;
   }
-  try {
-    return run(flags);
-  } catch (const fsdp::ConfigError& e) {
-    // One write per line: several ranks share this stderr.
-    std::cerr << "mnist: error: " + std::string(e.what()) + "\n" << std::flush;
-    return 2;
-  } catch (const std::exception& e) {
-    std::cerr << "mnist: error: " + std::string(e.what()) + "\n" << std::flush;
-    return 1;
-  }
+  return fsdp::runMain("mnist", [&] { return run(flags); });
 }

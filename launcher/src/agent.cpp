@@ -700,7 +700,14 @@ std::string describeFailure(const Failure& f, int maxRestarts) {
     out << "  its error (TORCHELASTIC_ERROR_FILE):\n" << joinLines(f.error, "    ");
   }
   if (!f.stderrTail.empty()) {
-    out << "  the last lines of its stderr:\n" << joinLines(f.stderrTail, "    | ");
+    // With the error at hand, a few lines of context are enough.
+    std::string tail = f.stderrTail;
+    if (!f.error.empty()) {
+      std::size_t pos = tail.size();
+      for (int lines = 0; lines < 6 && pos > 0; ++lines) pos = tail.rfind('\n', pos - 1);
+      if (pos != std::string::npos && pos > 0) tail = tail.substr(pos + 1);
+    }
+    out << "  the last lines of its stderr:\n" << joinLines(tail, "    | ");
   }
   if (f.error.empty() && f.stderrTail.empty()) out << "  it wrote nothing to stderr\n";
   return out.str();

@@ -3,6 +3,8 @@
 #include <dlfcn.h>
 #include <link.h>
 
+#include <filesystem>
+
 namespace fsdp::launcher {
 
 BlasInfo inspectBlas(const std::string& library) {
@@ -29,6 +31,39 @@ BlasInfo inspectBlas(const std::string& library) {
   }
   ::dlclose(handle);
   return info;
+}
+
+BlasInfo classifyBlasPath(const std::string& path) {
+  BlasInfo info{.path = path};
+  const std::string dir = std::filesystem::path(path).parent_path().filename().string();
+  if (path.find("openblas") != std::string::npos) {
+    info.kind = BlasKind::kOptimized;
+    info.name = "OpenBLAS";
+  } else if (path.find("blis") != std::string::npos) {
+    info.kind = BlasKind::kOptimized;
+    info.name = "BLIS";
+  } else if (path.find("mkl") != std::string::npos) {
+    info.kind = BlasKind::kOptimized;
+    info.name = "MKL";
+  } else if (dir == "blas") {
+    info.kind = BlasKind::kReference;
+    info.name = "reference BLAS";
+  }
+  return info;
+}
+
+BlasInfo quickInspectBlas() {
+  for (const char* candidate : {"/usr/lib/x86_64-linux-gnu/libblas.so.3",
+                                "/usr/lib/aarch64-linux-gnu/libblas.so.3", "/usr/lib64/libblas.so.3",
+                                "/usr/lib/libblas.so.3"}) {
+    std::error_code ec;
+    const auto resolved = std::filesystem::canonical(candidate, ec);
+    if (ec) continue;
+    const auto info = classifyBlasPath(resolved.string());
+    if (info.kind != BlasKind::kMissing) return info;
+    return inspectBlas(resolved.string());
+  }
+  return inspectBlas();
 }
 
 }  // namespace fsdp::launcher

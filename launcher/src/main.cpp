@@ -11,7 +11,7 @@
 namespace {
 
 void warnAboutReferenceBlas() {
-  const auto blas = fsdp::launcher::inspectBlas();
+  const auto blas = fsdp::launcher::quickInspectBlas();
   if (blas.kind == fsdp::launcher::BlasKind::kReference) {
     fsdp::log::warn(
         "libblas.so.3 is the reference BLAS ({}): LibTorch runs about 20x slower on CPU. "
@@ -49,8 +49,9 @@ int main(int argc, char** argv) {
     if (result.exitCode == 1) {
       if (result.failure) {
         printError(fsdp::launcher::describeFailure(*result.failure, options.maxRestarts));
+      } else if (!result.message.empty()) {
+        printError(result.message);
       }
-      if (!result.message.empty()) printError(result.message);
     } else if (result.exitCode != 0 && !result.message.empty()) {
       fsdp::log::warn("{}", result.message);
     }

@@ -99,7 +99,7 @@ TEST(Launcher, ExhaustedRestartsExitOneAndCountThem) {
       60s);
   ASSERT_FALSE(r.timedOut);
   EXPECT_EQ(r.exitCode, 1);
-  EXPECT_NE(r.err.find("no restart left (2 of 2 used)"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("(restart 2 of 2)"), std::string::npos) << r.err;
 }
 
 std::vector<int> waitForPids(const std::string& dir, int n) {
@@ -142,6 +142,34 @@ TEST(Launcher, SigintStopsEveryWorkerAndExits130) {
 
 TEST(Launcher, Sigkill9OfTheLauncherLeavesNoOrphan) {
   stopLauncherAndCheckNoWorkerSurvives(SIGKILL, -1);
+}
+
+// A worker frozen with SIGSTOP cannot be told from a slow one; what fsdprun does about it:
+// it logs the stop at once, its peers fail when their collective timeout expires, and the
+// stop signal that follows comes with SIGCONT so that the frozen worker can act on it.
+TEST(Launcher, AFrozenWorkerIsLoggedAndItsPeersFailAfterTheirCollectiveTimeout) {
+  fsdp::testing::TempDir dir;
+  fsdp::SpawnOptions options{.argv = {kFsdprun, "--standalone", "--nproc_per_node", "2", kWorker,
+                                      "--pid_dir", dir.path(), "--sleep", "0.5", "--timeout", "3"},
+                             .env = fsdp::currentEnvironment(),
+                             .deathSignal = 0};
+  options.stdoutPath = dir.path() + "/out";
+  options.stderrPath = dir.path() + "/err";
+  auto launcher = fsdp::ChildProcess::spawn(options);
+  const auto pids = waitForPids(dir.path(), 2);
+  ASSERT_EQ(pids.size(), 2u);
+  const auto start = std::chrono::steady_clock::now();
+  ::kill(pids[1], SIGSTOP);
+  const auto status = launcher.waitFor(60s);
+  ASSERT_TRUE(status.has_value());
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 1) << fsdp::describeWaitStatus(*status);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 30s);
+  const std::string err = fsdp::testing::readFile(dir.path() + "/err");
+  EXPECT_NE(err.find("rank 1 (pid " + std::to_string(pids[1]) + ") was stopped by SIGSTOP"),
+            std::string::npos)
+      << err;
+  EXPECT_NE(err.find("rank 0 (local_rank 0"), std::string::npos) << err;
+  EXPECT_TRUE(processGone(pids[1], 10s));
 }
 
 struct BadInput {

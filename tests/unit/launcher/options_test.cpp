@@ -239,6 +239,11 @@ TEST(InspectBlas, TellsReferenceFromOpenBlas) {
   EXPECT_EQ(info.kind, BlasKind::kOptimized);
   EXPECT_NE(info.name.find("OpenBLAS"), std::string::npos);
   EXPECT_EQ(inspectBlas("/nonexistent/libblas.so").kind, BlasKind::kMissing);
+  // Without loading anything: the path tells.
+  EXPECT_EQ(classifyBlasPath(reference).kind, BlasKind::kReference);
+  EXPECT_EQ(classifyBlasPath(openblas).kind, BlasKind::kOptimized);
+  EXPECT_EQ(classifyBlasPath("/opt/x/libfoo.so").kind, BlasKind::kMissing);
+  EXPECT_EQ(quickInspectBlas().kind, inspectBlas().kind);
 }
 
 }  // namespace

@@ -18,4 +18,13 @@ struct BlasInfo {
 // an optimized BLAS (OpenBLAS, BLIS, MKL) from the reference one by their exported symbols.
 BlasInfo inspectBlas(const std::string& library = "libblas.so.3");
 
+// The same answer without loading the library (loading OpenBLAS starts its thread pool, about
+// 10 ms at every fsdprun start): the file the system's libblas.so.3 resolves to, told apart by
+// its path (Debian's alternatives: .../blas/ is the reference BLAS, .../openblas*/ OpenBLAS).
+// Falls back to inspectBlas() for a path it does not know.
+BlasInfo quickInspectBlas();
+
+// Classifies a resolved library path; kMissing when the path says nothing.
+BlasInfo classifyBlasPath(const std::string& path);
+
 }  // namespace fsdp::launcher
