@@ -7,6 +7,7 @@
 #include "fsdp/launcher/agent.hpp"
 #include "fsdp/launcher/blas_check.hpp"
 #include "fsdp/launcher/options.hpp"
+#include "fsdp/slurm/slurm_env.hpp"
 
 namespace {
 
@@ -43,6 +44,11 @@ int main(int argc, char** argv) {
     if (options.dryRun) {
       std::cout << fsdp::launcher::describeConfiguration(options, command);
       return 0;
+    }
+    // A head node that does not resolve is named now, with the resolver's error, rather than
+    // after join_timeout of failed connection attempts.
+    if (options.sources.at("rdzv_endpoint").starts_with("Slurm")) {
+      if (const auto job = fsdp::slurm::readSlurmJob(env)) fsdp::slurm::resolveHeadNode(*job);
     }
     warnAboutReferenceBlas();
     const auto result = fsdp::launcher::runAgent(options, command);

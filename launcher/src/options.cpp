@@ -11,6 +11,7 @@
 
 #include "fsdp/common/error.hpp"
 #include "fsdp/common/process.hpp"
+#include "fsdp/slurm/slurm_env.hpp"
 
 namespace fsdp::launcher {
 namespace {
@@ -119,6 +120,36 @@ std::vector<int> parseSignals(const std::string& text) {
     out.push_back(*sig);
   }
   return out;
+}
+
+// Fills the settings the user left out (source "default") from a Slurm job: node count, the
+// rendezvous endpoint (first host, port derived from the job id), run id, preferred node rank.
+// Returns whether the endpoint came from Slurm.
+bool applySlurm(const slurm::SlurmJob& job, std::map<std::string, std::string>& text,
+                std::map<std::string, std::string>& sources) {
+  slurm::checkOneTaskPerNode(job);
+  const auto given = [&sources](const char* key) { return sources.at(key) != "default"; };
+  const auto take = [&](const char* key, const std::string& value, const std::string& source) {
+    text[key] = value;
+    sources[key] = "Slurm " + source;
+  };
+  if (!given("nnodes")) {
+    slurm::checkInsideStep(job);
+    take("nnodes", std::to_string(job.numNodes.value), job.numNodes.source);
+  }
+  bool endpoint = false;
+  const bool multiNode = parseNnodes(text["nnodes"]).second > 1;
+  if (multiNode && !given("rdzv_endpoint") && !given("master_addr") && !given("standalone")) {
+    take("rdzv_endpoint", job.headNode.value + ":" + std::to_string(job.rdzvPort.value),
+         job.headNode.source + ", port " + job.rdzvPort.source);
+    if (!given("rdzv_backend")) take("rdzv_backend", "c10d", "job");
+    endpoint = true;
+  }
+  if (!given("rdzv_id")) take("rdzv_id", job.rdzvId.value, job.rdzvId.source);
+  if (!given("node_rank") && job.nodeId && multiNode) {
+    take("node_rank", std::to_string(job.nodeId->value), job.nodeId->source);
+  }
+  return endpoint;
 }
 
 }  // namespace
@@ -249,11 +280,27 @@ ParseResult parseCommandLine(int argc, const char* const* argv, const EnvLookup&
   o.noSlurm = flags["no_slurm"];
   o.dryRun = flags["dry_run"];
 
+  // Under Slurm, what the user left out comes from the job (see applySlurm).
+  std::optional<slurm::SlurmJob> job;
+  if (!o.noSlurm) job = slurm::readSlurmJob(env);
+  bool endpointFromSlurm = false;
+  if (job) endpointFromSlurm = applySlurm(*job, text, o.sources);
+
   std::tie(o.minNodes, o.maxNodes) = parseNnodes(text["nnodes"]);
   const int cpus = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const std::string nproc = text["nproc_per_node"];
-  o.nprocPerNode = parseNprocPerNode(nproc, cpus,
-                                     nproc == "auto" || nproc == "gpu" ? countGpus(env) : 0);
+  const auto slurmNproc = !job                 ? std::nullopt
+                          : nproc == "auto"    ? slurm::autoNprocPerNode(*job)
+                          : nproc == "gpu"     ? job->gpusOnNode
+                          : nproc == "cpu"     ? job->cpusOnNode
+                                               : std::nullopt;
+  if (slurmNproc && slurmNproc->value > 0) {
+    o.nprocPerNode = slurmNproc->value;
+    o.sources["nproc_per_node"] += ": " + nproc + ", from Slurm " + slurmNproc->source;
+  } else {
+    o.nprocPerNode = parseNprocPerNode(nproc, cpus,
+                                       nproc == "auto" || nproc == "gpu" ? countGpus(env) : 0);
+  }
   if (!text["node_rank"].empty()) {
     const auto rank = parseInt(text["node_rank"]);
     if (!rank || *rank < 0 || *rank >= o.maxNodes) {
@@ -297,6 +344,11 @@ ParseResult parseCommandLine(int argc, const char* const* argv, const EnvLookup&
     throw ConfigError("--rdzv_id '" + o.rdzvId + "': expected 1-255 characters");
   }
   o.rdzvConf = RdzvConf::parse(text["rdzv_conf"]);
+  // The node Slurm numbers 0 is the first host of the node list: it serves the rendezvous
+  // (host names inside a job are not always this machine's gethostname()).
+  if (endpointFromSlurm && !o.rdzvConf.isHost && job->nodeId) {
+    o.rdzvConf.isHost = job->nodeId->value == 0;
+  }
   o.role = text["role"];
   if (o.role.empty()) throw ConfigError("--role '': expected a name");
   o.masterAddr = text["master_addr"];

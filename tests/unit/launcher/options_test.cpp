@@ -156,6 +156,48 @@ TEST(ParseCommandLine, ReadsTheLoggingAndSignalFlags) {
   }
 }
 
+std::map<std::string, std::string> slurmStep(int nodeId) {
+  return {{"SLURM_JOB_ID", "4242"},          {"SLURM_STEP_ID", "0"},
+          {"SLURM_STEP_NODELIST", "tux[1-2]"}, {"SLURM_STEP_NUM_NODES", "2"},
+          {"SLURM_NODEID", std::to_string(nodeId)}, {"SLURM_STEP_TASKS_PER_NODE", "1(x2)"},
+          {"SLURM_CPUS_ON_NODE", "6"}};
+}
+
+TEST(SlurmDefaults, FillWhatTheUserLeftOutAndNameTheVariables) {
+  const auto a = parse({"--nproc_per_node", "auto", "p"}, slurmStep(1));
+  ASSERT_TRUE(a.options);
+  EXPECT_EQ(a.options->minNodes, 2);
+  EXPECT_EQ(a.options->nprocPerNode, 6);
+  EXPECT_EQ(a.options->rdzvId, "4242.0");
+  EXPECT_EQ(a.options->rdzvBackend, "c10d");
+  EXPECT_EQ(a.options->nodeRank, 1);
+  EXPECT_EQ(a.options->rdzvEndpoint.substr(0, 5), "tux1:");
+  EXPECT_EQ(a.options->rdzvConf.isHost, false);
+  EXPECT_EQ(a.options->sources.at("nnodes"), "Slurm SLURM_STEP_NUM_NODES");
+  EXPECT_NE(a.options->sources.at("nproc_per_node").find("SLURM_CPUS_ON_NODE"), std::string::npos);
+  // Node 0 serves the rendezvous.
+  EXPECT_EQ(parse({"p"}, slurmStep(0)).options->rdzvConf.isHost, true);
+  // What the user gives wins; --no_slurm ignores the job.
+  const auto b = parse({"--nnodes", "1", "--rdzv_id", "mine", "p"}, slurmStep(1));
+  EXPECT_EQ(b.options->maxNodes, 1);
+  EXPECT_EQ(b.options->rdzvId, "mine");
+  EXPECT_TRUE(b.options->rdzvEndpoint.empty());
+  const auto c = parse({"--no_slurm", "p"}, slurmStep(1));
+  EXPECT_EQ(c.options->maxNodes, 1);
+  EXPECT_EQ(c.options->rdzvId, "none");
+}
+
+TEST(SlurmDefaults, MoreThanOneTaskPerNodeExplainsTheFix) {
+  auto env = slurmStep(0);
+  env["SLURM_STEP_TASKS_PER_NODE"] = "4(x2)";
+  try {
+    parse({"p"}, env);
+    ADD_FAILURE() << "no error";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("--ntasks-per-node=1"), std::string::npos) << e.what();
+  }
+}
+
 TEST(RdzvConf, ReadsSecondsAndTorchrunsKeepAliveKeys) {
   const auto c = RdzvConf::parse("join_timeout=2.5,last_call_timeout=0,is_host=false,"
                                  "read_timeout=60,token_file=/t");
