@@ -110,6 +110,16 @@ ChildProcess ChildProcess::spawn(const SpawnOptions& options) {
   Fd readEnd(pipeFds[0]);
   Fd writeEnd(pipeFds[1]);
 
+#if defined(__SANITIZE_ADDRESS__)
+  // AddressSanitizer keeps shadow memory for every stack: a child sharing the parent's memory
+  // would write into the parent's. Sanitizer builds pay for a real fork.
+  const pid_t parent = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid < 0) throwErrno("spawn " + options.argv[0] + ": fork", errno);
+  if (pid == 0) {
+    childAfterFork(options, parent, program->c_str(), argv.data(), envp.data(), writeEnd.get());
+  }
+#else
   // clone(CLONE_VM | CLONE_VFORK), as posix_spawn does: no copy of the parent's page tables,
   // which costs tens of milliseconds in a process that maps LibTorch. The child runs on its own
   // stack with every signal blocked until it has reset their dispositions; the parent resumes
@@ -140,6 +150,7 @@ ChildProcess ChildProcess::spawn(const SpawnOptions& options) {
   ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
   ::munmap(stack, kStackBytes);
   if (pid < 0) throwErrno("spawn " + options.argv[0] + ": clone", cloneErrno);
+#endif
   ChildProcess child(pid, options.newProcessGroup);
   // Also from the parent, so that signal() works even before the child ran setpgid.
   if (options.newProcessGroup) ::setpgid(pid, pid);

@@ -1,7 +1,10 @@
 // fsdprun end to end on loopback: the real launcher, real worker processes, real Gloo.
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -205,7 +208,62 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{{"--standalone", "--no-such-flag", "/bin/true"}, "--no-such-flag"},
         BadInput{{"--standalone", "/nonexistent/program"}, "/nonexistent/program"},
         BadInput{{"--standalone", "/etc/passwd"}, "/etc/passwd"},
-        BadInput{{"--standalone"}, "PROGRAM"}));
+        BadInput{{"--standalone"}, "PROGRAM"},
+        BadInput{{"--nnodes", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint", "host:notaport", "/bin/true"},
+                 "--rdzv_endpoint 'host:notaport': port 'notaport'"},
+        BadInput{{"--nnodes", "2", "--rdzv_backend", "c10d", "/bin/true"}, "needs --rdzv_endpoint"},
+        BadInput{{"--rdzv_conf", "join_timeout=soon", "/bin/true"}, "join_timeout=soon"},
+        BadInput{{"--tee", "5", "/bin/true"}, "--tee '5'"}));
+
+TEST(Launcher, ABusyMasterPortIsNamedWithItsHolderAndAFreeAlternative) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(fd, 4), 0);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  const std::string port = std::to_string(ntohs(addr.sin_port));
+  const auto r = runCommand({kFsdprun, "--standalone", "--master_port", port, "/bin/true"}, 30s);
+  ::close(fd);
+  EXPECT_EQ(r.exitCode, 2) << r.err;
+  EXPECT_EQ(countOccurrences(r.err, "\n"), 1) << r.err;
+  EXPECT_NE(r.err.find("--master_port " + port + ": the port is in use"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("pid " + std::to_string(::getpid())), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("is free now"), std::string::npos) << r.err;
+}
+
+TEST(Launcher, TeePrefixesConsoleLinesAndLogDirKeepsEveryRanksFiles) {
+  fsdp::testing::TempDir dir;
+  const auto r = runCommand({kFsdprun, "--nproc_per_node", "2", "--tee", "3", "--log_dir", dir.path(),
+                             "--rdzv_id", "teejob", "/bin/sh", "-c",
+                             "echo out-$RANK; echo err-$RANK >&2"},
+                            60s);
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_NE(r.out.find("[rank0]:out-0\n"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("[rank1]:out-1\n"), std::string::npos) << r.out;
+  EXPECT_NE(r.err.find("[rank1]:err-1\n"), std::string::npos) << r.err;
+  for (const char* rank : {"0", "1"}) {
+    const std::string base = dir.path() + "/teejob/attempt_0/" + rank;
+    EXPECT_EQ(fsdp::testing::readFile(base + "/stdout.log"), std::string("out-") + rank + "\n");
+    EXPECT_EQ(fsdp::testing::readFile(base + "/stderr.log"), std::string("err-") + rank + "\n");
+  }
+}
+
+TEST(Launcher, RedirectsKeepOutputOffTheConsoleAndTheFilterPicksRanks) {
+  fsdp::testing::TempDir dir;
+  const auto r = runCommand({kFsdprun, "--nproc_per_node", "3", "--redirects", "1", "--log_dir",
+                             dir.path(), "--rdzv_id", "redir", "--local_ranks_filter", "0,2",
+                             "/bin/sh", "-c", "echo out-$RANK; echo err-$RANK >&2"},
+                            60s);
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_EQ(r.out.find("out-"), std::string::npos) << r.out;       // stdout went to files only
+  EXPECT_NE(r.err.find("err-0"), std::string::npos) << r.err;      // stderr of ranks 0 and 2
+  EXPECT_NE(r.err.find("err-2"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("err-1"), std::string::npos) << r.err;      // filtered out
+  EXPECT_EQ(fsdp::testing::readFile(dir.path() + "/redir/attempt_0/1/stdout.log"), "out-1\n");
+}
 
 TEST(Mnist, MissingDataFailsOnEveryRankNamingThePath) {
   // Each rank checks --data before it waits for any peer, so every rank fails on its own.
