@@ -248,6 +248,11 @@ class FsdpState {
   int shardSize_ = 1;
   int shardRank_ = 0;
   at::ScalarType computeDtype_ = at::kFloat;
+  // Where the parameters (and the full buffers, and the collectives) live.
+  at::Device device_ = at::kCPU;
+  // CUDA parameters with cpuOffload: shards and their gradients stay in pinned host memory;
+  // a shard is copied to the device for its all-gather, a reduced gradient back after it.
+  bool offload_ = false;
   at::ScalarType reduceDtype_ = at::kFloat;
   std::vector<UnitRecord> units_;
   std::vector<int> forwardOrder_;          // this iteration's forward, as units entered it
@@ -278,6 +283,7 @@ class FsdpState {
       if (flat.full.aliasing()) continue;
       flat.full.allocate();
       at::Tensor source = flat.shard.detach();
+      if (offload_) source = source.to(device_, /*non_blocking=*/true);
       if (source.scalar_type() != computeDtype_) source = source.to(computeDtype_);
       if (shardComm_ == nullptr) {
         flat.full.flat().copy_(source);
@@ -481,9 +487,10 @@ class FsdpState {
       p.work.wait();
       auto& shard = units_[static_cast<std::size_t>(p.unit)].flats[static_cast<std::size_t>(p.flat)].shard;
       // A tensor of its own (not a view): optimizers detach_() gradients in zero_grad().
-      at::Tensor grad = p.output.scalar_type() == shard.scalar_type()
+      at::Tensor grad = p.output.scalar_type() == shard.scalar_type() &&
+                                p.output.device() == shard.device()
                             ? p.output
-                            : p.output.to(shard.scalar_type());
+                            : p.output.to(shard.device(), shard.scalar_type());
       at::Tensor& current = shard.mutable_grad();
       if (!current.defined()) {
         current = grad;
@@ -900,6 +907,8 @@ class FsdpBuilder {
     at::NoGradGuard noGrad;
     const auto dtype = flat.slots.front().param.scalar_type();
     const auto device = flat.slots.front().param.device();
+    state_.device_ = device;
+    state_.offload_ = state_.options_.cpuOffload && device.is_cuda();
     std::vector<at::Tensor> pieces;
     for (auto& slot : flat.slots) {
       if (slot.param.scalar_type() != dtype) {
@@ -918,11 +927,12 @@ class FsdpBuilder {
       pieces.push_back(at::zeros({flat.paddedNumel - flat.numel}, pieces.front().options()));
     }
     const at::Tensor values = at::cat(pieces);
-    if (world == 1 && state_.computeDtype_ == dtype) {
+    if (world == 1 && state_.computeDtype_ == dtype && !state_.offload_) {
       flat.full = FullBuffer::permanent(values);
       flat.shard = flat.full.flat();
     } else {
       flat.shard = values.narrow(0, flat.shardNumel * state_.shardRank_, flat.shardNumel).clone();
+      if (state_.offload_) flat.shard = flat.shard.to(at::kCPU).pin_memory();
       flat.full = FullBuffer(flat.paddedNumel, state_.computeDtype_, device);
       flat.full.allocate();  // views are made over allocated memory (set_ checks the size)
     }
@@ -1029,7 +1039,8 @@ double FullyShardedDataParallelImpl::clipGradNorm(double maxNorm, double normTyp
     local = inf ? std::max(local, g.abs().max().item<double>())
                 : local + g.to(at::kDouble).pow(2).sum().item<double>();
   }
-  auto total = at::full({1}, local, at::kDouble);
+  // On the communicator's device (NCCL reduces CUDA tensors only).
+  auto total = at::full({1}, local, at::TensorOptions().dtype(at::kDouble).device(state_->device_));
   if (state_->shardComm_ != nullptr) {
     state_->shardComm_->allReduce(total, inf ? ReduceOp::kMax : ReduceOp::kSum).wait();
   }
@@ -1048,8 +1059,9 @@ std::vector<std::pair<std::string, at::Tensor>> FullyShardedDataParallelImpl::fu
     for (auto& flat : unit.flats) {
       at::Tensor full = flat.shard.detach();
       if (state_->shardComm_ != nullptr) {
-        full = at::empty({flat.paddedNumel}, flat.shard.options().requires_grad(false));
-        state_->shardComm_->allGather(flat.shard.detach(), full).wait();
+        full = at::empty({flat.paddedNumel},
+                         flat.shard.options().device(state_->device_).requires_grad(false));
+        state_->shardComm_->allGather(flat.shard.detach().to(state_->device_), full).wait();
       }
       for (const auto& slot : flat.slots) {
         found.push_back({slot.originalIndex,
