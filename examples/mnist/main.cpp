@@ -1,30 +1,29 @@
-// mnist: ShallowNet / DeepNet on Fashion-MNIST under FSDP, over the ranks fsdprun started.
-// Every rank takes its slice of each global batch; FSDP averages the gradients over the
-// ranks, so N ranks train like one process with the same global batch.
+// mnist: ShallowNet / DeepNet on Fashion-MNIST under FSDP, over the ranks fsdprun started,
+// with fsdp::Trainer: every rank takes its slice of each global batch, so N ranks train like
+// one process with the same global batch; checkpoints and resume with --checkpoint_dir.
 //
-//   fsdprun --standalone --nproc_per_node 2 build/bin/mnist --epochs 1 --sharding FULL_SHARD
+//   fsdprun --nproc_per_node 2 build/bin/mnist --epochs 1 --sharding FULL_SHARD
+#include <signal.h>
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
-#include <chrono>
-#include <cstdio>
-#include <fstream>
+#include <cstdlib>
 #include <iostream>
 #include <nlohmann/json.hpp>
-#include <torch/nn/functional/loss.h>
 #include <torch/optim/adam.h>
 #include <torch/utils.h>
 
+#include "../common/example_utils.hpp"
 #include "fashion_mnist.hpp"
 #include "fsdp/common/error.hpp"
+#include "fsdp/worker/checkpoint.hpp"
 #include "fsdp/worker/errors.hpp"
 #include "fsdp/worker/fsdp.hpp"
 #include "fsdp/worker/runtime.hpp"
-#include "../common/example_utils.hpp"
+#include "fsdp/worker/trainer.hpp"
 #include "models.hpp"
 
 namespace {
-
-using fsdp::examples::Dataset;
-using Clock = std::chrono::steady_clock;
 
 struct Flags {
   std::string data = "/usr/share/datasets/fashion-mnist";
@@ -41,6 +40,16 @@ struct Flags {
   std::string mixedPrecision = "no";
   bool noDropout = false;
   bool noEval = false;
+  std::string checkpointDir;
+  int checkpointEvery = 0;
+  int keepCheckpoints = 3;
+  bool asyncCheckpoint = false;
+  std::string fullCheckpoint;
+  int gradAccumulation = 1;
+  double clipGradNorm = 0;
+  std::string progress = "auto";
+  long long faultKillAtStep = 0;
+  int faultKillRank = -1;
 };
 
 torch::nn::Sequential makeModel(const Flags& flags) {
@@ -49,47 +58,20 @@ torch::nn::Sequential makeModel(const Flags& flags) {
                                   : fsdp::examples::makeDeepNet(options);
 }
 
-struct Eval {
-  double loss = 0;
-  double accuracy = 0;
-};
-
-// Each rank scores its chunk of the test set; sums are all-reduced.
-Eval evaluate(fsdp::FullyShardedDataParallel& model, const Dataset& test, fsdp::Runtime& rt) {
-  torch::NoGradGuard noGrad;
-  model->eval();
-  const auto counts = fsdp::worker::chunkSizes(test.images.size(0), rt.worldSize());
-  std::int64_t begin = 0;
-  for (int r = 0; r < rt.rank(); ++r) begin += counts[r];
-  const std::int64_t end = begin + counts[rt.rank()];
-  double lossSum = 0;
-  double correct = 0;
-  for (std::int64_t i = begin; i < end; i += 1000) {
-    const auto n = std::min<std::int64_t>(1000, end - i);
-    const auto out = model->forward(test.images.narrow(0, i, n)).to(torch::kFloat);
-    const auto labels = test.labels.narrow(0, i, n);
-    lossSum += torch::nn::functional::nll_loss(
-                   out, labels, torch::nn::functional::NLLLossFuncOptions().reduction(torch::kSum))
-                   .item<double>();
-    correct += out.argmax(1).eq(labels).sum().item<double>();
-  }
-  auto sums = torch::tensor({lossSum, correct, static_cast<double>(end - begin)}, torch::kDouble);
-  rt.comm().allReduce(sums).wait();
-  model->train();
-  return {sums[0].item<double>() / sums[2].item<double>(), sums[1].item<double>() / sums[2].item<double>()};
+fsdp::ProgressStyle parseProgress(const std::string& text) {
+  if (text == "bar") return fsdp::ProgressStyle::kBar;
+  if (text == "lines") return fsdp::ProgressStyle::kLines;
+  if (text == "none") return fsdp::ProgressStyle::kNone;
+  return fsdp::ProgressStyle::kAuto;
 }
 
 int run(const Flags& flags) {
   // Data first: a bad --data fails on every rank on its own, before anyone waits for peers.
-  const Dataset train = fsdp::examples::loadFashionMnist(flags.data, true);
-  const Dataset test = fsdp::examples::loadFashionMnist(flags.data, false);
+  const auto train = fsdp::examples::loadFashionMnist(flags.data, true);
+  const auto test = fsdp::examples::loadFashionMnist(flags.data, false);
+  const fsdp::TensorDataset trainData(train.images, train.labels);
+  const fsdp::TensorDataset testData(test.images, test.labels);
   auto rt = fsdp::init();
-  const int rank = rt->rank();
-  const int world = rt->worldSize();
-  if (flags.batchSize < world) {
-    throw fsdp::ConfigError("--batch_size " + std::to_string(flags.batchSize) +
-                            ": must be at least the world size " + std::to_string(world));
-  }
 
   torch::manual_seed(static_cast<std::uint64_t>(flags.seed));
   fsdp::FsdpOptions options{.strategy = fsdp::worker::parseShardingStrategy(flags.sharding),
@@ -105,105 +87,51 @@ int run(const Flags& flags) {
     options.replicateGroup = groups.replicate.get();
   }
   fsdp::FullyShardedDataParallel model(makeModel(flags), rt->comm(), options);
-  // Dropout differs per rank, like it differs per sample in one process.
-  torch::manual_seed(static_cast<std::uint64_t>(flags.seed) * 1000003u + 1 + rank);
   torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(flags.lr));
 
-  std::ofstream metrics;
-  if (rank == 0 && !flags.metricsFile.empty()) {
-    metrics.open(flags.metricsFile);
-    if (!metrics) throw fsdp::ConfigError("--metrics_file '" + flags.metricsFile + "': cannot write");
+  fsdp::Trainer trainer(*rt, model, optimizer, fsdp::Trainer::nllLoss(),
+                        {.epochs = flags.epochs,
+                         .maxSteps = flags.maxSteps,
+                         .globalBatch = flags.batchSize,
+                         .gradAccumulation = flags.gradAccumulation,
+                         .clipGradNorm = flags.clipGradNorm,
+                         .seed = static_cast<std::uint64_t>(flags.seed),
+                         .evaluateEveryEpoch = !flags.noEval,
+                         .accuracy = true,
+                         .logEvery = flags.logEvery,
+                         .metricsFile = flags.metricsFile,
+                         .progress = parseProgress(flags.progress),
+                         .checkpointDir = flags.checkpointDir,
+                         .checkpointEvery = flags.checkpointEvery,
+                         .keepCheckpoints = flags.keepCheckpoints,
+                         .asyncCheckpoint = flags.asyncCheckpoint});
+  // Test-only fault: the chosen rank SIGKILLs itself after a step, on the first attempt only.
+  if (flags.faultKillAtStep > 0 && rt->rank() == flags.faultKillRank && rt->env().restartCount == 0) {
+    trainer.afterStep = [&flags](std::int64_t step) {
+      if (step == flags.faultKillAtStep) ::kill(::getpid(), SIGKILL);
+    };
   }
-  const std::int64_t n = train.images.size(0);
-  const std::int64_t stepsPerEpoch = (n + flags.batchSize - 1) / flags.batchSize;
-  long long step = 0;
-  double trainSeconds = 0;
-  long long samples = 0;
-  Eval last;
-  bool done = false;
-  for (int epoch = 1; epoch <= flags.epochs && !done; ++epoch) {
-    // The same permutation on every rank: seed + epoch.
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<std::uint64_t>(flags.seed) + epoch);
-    const auto perm = torch::randperm(n, gen, torch::kLong);
-    double lossSum = 0;
-    long long lossCount = 0;
-    const auto epochStart = Clock::now();
-    for (std::int64_t s = 0; s < stepsPerEpoch; ++s) {
-      if (flags.maxSteps > 0 && step >= flags.maxSteps) {
-        done = true;
-        break;
-      }
-      const auto stepStart = Clock::now();
-      const std::int64_t begin = s * flags.batchSize;
-      const std::int64_t global = std::min<std::int64_t>(flags.batchSize, n - begin);
-      const auto counts = fsdp::worker::chunkSizes(global, world);
-      std::int64_t mine = begin;
-      for (int r = 0; r < rank; ++r) mine += counts[r];
-      const auto idx = perm.narrow(0, mine, counts[rank]);
-      const auto x = train.images.index_select(0, idx);
-      const auto y = train.labels.index_select(0, idx);
+  const auto result = trainer.fit(trainData, flags.noEval ? nullptr : &testData);
 
-      optimizer.zero_grad();
-      const auto out = model->forward(x).to(torch::kFloat);
-      // FSDP averages gradients over the ranks: sum over my samples * world / global batch
-      // makes that average the global batch's mean.
-      const auto loss = torch::nn::functional::nll_loss(
-                            out, y, torch::nn::functional::NLLLossFuncOptions().reduction(torch::kSum)) *
-                        (static_cast<double>(world) / static_cast<double>(global));
-      loss.backward();
-      {
-        auto lossCopy = loss.detach().reshape({1}).to(torch::kDouble).div(world);
-        rt->comm().allReduce(lossCopy).wait();
-        lossSum += lossCopy.item<double>();
-        ++lossCount;
-      }
-      optimizer.step();
-      ++step;
-      samples += global;
-      trainSeconds += std::chrono::duration<double>(Clock::now() - stepStart).count();
-      if (rank == 0 && flags.logEvery > 0 && step % flags.logEvery == 0) {
-        std::printf("epoch %d step %lld/%lld loss %.4f (%.1f samples/s)\n", epoch,
-                    static_cast<long long>(s + 1), static_cast<long long>(stepsPerEpoch),
-                    lossSum / static_cast<double>(lossCount), static_cast<double>(samples) / trainSeconds);
-        std::fflush(stdout);
-      }
-    }
-    if (!flags.noEval) last = evaluate(model, test, *rt);
-    if (rank == 0) {
-      const double epochSeconds = std::chrono::duration<double>(Clock::now() - epochStart).count();
-      std::printf("epoch %d: train_loss %.4f test_loss %.4f test_accuracy %.4f (%.1f s)\n", epoch,
-                  lossCount > 0 ? lossSum / static_cast<double>(lossCount) : 0.0, last.loss,
-                  last.accuracy, epochSeconds);
-      std::fflush(stdout);
-      if (metrics.is_open()) {
-        metrics << nlohmann::json{{"kind", "eval"},
-                                  {"epoch", epoch},
-                                  {"step", step},
-                                  {"train_loss", lossCount > 0 ? lossSum / lossCount : 0.0},
-                                  {"test_loss", last.loss},
-                                  {"test_accuracy", last.accuracy}}
-                       .dump()
-                << '\n';
-      }
-    }
-  }
-
-  // Every rank computes its own hash; rank 0 prints the summary.
+  if (!flags.fullCheckpoint.empty()) fsdp::saveFullCheckpoint(*rt, model, flags.fullCheckpoint);
+  // Every rank computes its own hash (a collective); rank 0 prints the summary.
   const std::string hash = fsdp::examples::paramsSha256(model);
-  auto rss = torch::tensor({fsdp::examples::peakRssMb()}, torch::kDouble);
-  if (rank == 0) {
+  if (rt->rank() == 0) {
     nlohmann::json summary = {
         {"model", flags.model},
         {"sharding", flags.sharding},
         {"mixed_precision", flags.mixedPrecision},
-        {"world_size", world},
-        {"steps", step},
-        {"test_accuracy", last.accuracy},
-        {"test_loss", last.loss},
-        {"train_samples_per_s", trainSeconds > 0 ? static_cast<double>(samples) / trainSeconds : 0.0},
-        {"peak_rss_mb", rss.item<double>()},
+        {"world_size", rt->worldSize()},
+        {"steps", result.steps},
+        {"resumed_from_step", result.resumedFrom ? nlohmann::json(*result.resumedFrom) : nlohmann::json(nullptr)},
+        {"train_loss", result.trainLoss},
+        {"test_accuracy", result.eval.accuracy},
+        {"test_loss", result.eval.loss},
+        {"train_samples_per_s", result.samplesPerSecond},
+        {"peak_rss_mb", fsdp::examples::peakRssMb()},
         {"params_sha256", hash},
     };
+    if (!flags.metricsFile.empty()) summary["metrics_file"] = flags.metricsFile;
     std::cout << summary.dump() << std::endl;
   }
   rt->comm().barrier().wait();
@@ -225,7 +153,7 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--lr", flags.lr, "Adam learning rate")->check(CLI::PositiveNumber);
   app.add_option("--seed", flags.seed, "Seed of initialisation, shuffling and dropout");
-  app.add_option("--log_every,--log-every", flags.logEvery, "Print a line every N steps (0 = never)")
+  app.add_option("--log_every,--log-every", flags.logEvery, "Metrics every N steps (0 = never)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--metrics_file,--metrics-file", flags.metricsFile, "JSONL metrics written by rank 0");
   app.add_option("--sharding", flags.sharding, "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD")
@@ -237,6 +165,28 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"no", "bf16", "fp16"}));
   app.add_flag("--no_dropout,--no-dropout", flags.noDropout, "Leave dropout out (benchmarks)");
   app.add_flag("--no_eval,--no-eval", flags.noEval, "Skip the test-set evaluation (benchmarks)");
+  app.add_option("--checkpoint_dir,--checkpoint-dir", flags.checkpointDir,
+                 "Resume from the newest checkpoint here, and save checkpoints here");
+  app.add_option("--checkpoint_every,--checkpoint-every", flags.checkpointEvery,
+                 "Steps between checkpoints (0 = only the last step)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--keep_checkpoints,--keep-checkpoints", flags.keepCheckpoints, "Checkpoints kept (0 = all)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--async_checkpoint,--async-checkpoint", flags.asyncCheckpoint,
+               "Write checkpoints on a background thread");
+  app.add_option("--full_checkpoint,--full-checkpoint", flags.fullCheckpoint,
+                 "At the end, write the full weights here as a {name: tensor} pickle (torch.load)");
+  app.add_option("--grad_accumulation,--grad-accumulation", flags.gradAccumulation,
+                 "Micro-batches per optimizer step")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--clip_grad_norm,--clip-grad-norm", flags.clipGradNorm, "Clip the gradient norm (0 = off)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--progress", flags.progress, "auto (a bar on a terminal), bar, lines or none")
+      ->check(CLI::IsMember({"auto", "bar", "lines", "none"}));
+  app.add_option("--fault_kill_at_step", flags.faultKillAtStep,
+                 "Testing only: --fault_kill_rank SIGKILLs itself after this step, first attempt only")
+      ->group("");
+  app.add_option("--fault_kill_rank", flags.faultKillRank, "Testing only")->group("");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1052,17 +1052,36 @@ double FullyShardedDataParallelImpl::clipGradNorm(double maxNorm, double normTyp
   return norm;
 }
 
+namespace {
+// The whole flat parameter (padding included), gathered from the shards when they are split.
+at::Tensor gatherFlat(detail::FsdpState& state, const detail::FlatParam& flat) {
+  if (state.shardComm_ == nullptr) return flat.shard.detach();
+  at::Tensor full = at::empty({flat.paddedNumel},
+                              flat.shard.options().device(state.device_).requires_grad(false));
+  state.shardComm_->allGather(flat.shard.detach().to(state.device_), full).wait();
+  return full;
+}
+}  // namespace
+
+void FullyShardedDataParallelImpl::visitFullParameters(
+    const std::function<void(const std::string&, const at::Tensor&)>& sink) {
+  at::NoGradGuard noGrad;
+  for (auto& unit : state_->units_) {
+    for (auto& flat : unit.flats) {
+      const at::Tensor full = gatherFlat(*state_, flat);
+      for (const auto& slot : flat.slots) {
+        sink(slot.name, full.narrow(0, slot.offset, slot.numel).view(slot.shape));
+      }
+    }
+  }
+}
+
 std::vector<std::pair<std::string, at::Tensor>> FullyShardedDataParallelImpl::fullParameters() {
   at::NoGradGuard noGrad;
   std::vector<std::pair<std::size_t, std::pair<std::string, at::Tensor>>> found;
   for (auto& unit : state_->units_) {
     for (auto& flat : unit.flats) {
-      at::Tensor full = flat.shard.detach();
-      if (state_->shardComm_ != nullptr) {
-        full = at::empty({flat.paddedNumel},
-                         flat.shard.options().device(state_->device_).requires_grad(false));
-        state_->shardComm_->allGather(flat.shard.detach().to(state_->device_), full).wait();
-      }
+      const at::Tensor full = gatherFlat(*state_, flat);
       for (const auto& slot : flat.slots) {
         found.push_back({slot.originalIndex,
                          {slot.name, full.narrow(0, slot.offset, slot.numel).view(slot.shape).clone()}});
@@ -1113,6 +1132,35 @@ std::vector<UnitInfo> FullyShardedDataParallelImpl::units() const {
     result.push_back(std::move(info));
   }
   return result;
+}
+
+ShardLayout FullyShardedDataParallelImpl::shardLayout() const {
+  ShardLayout layout;
+  layout.shardRank = state_->shardRank_;
+  layout.shardSize = state_->shardSize_;
+  // Replicas hold the same shards: across nodes (HYBRID_SHARD) or everywhere (NO_SHARD).
+  if (state_->shardComm_ == nullptr) {
+    layout.primaryReplica = state_->comm_.rank() == 0;
+  } else if (state_->options_.strategy == ShardingStrategy::kHybridShard &&
+             state_->options_.replicateGroup != nullptr) {
+    layout.primaryReplica = state_->options_.replicateGroup->rank() == 0;
+  }
+  for (const auto& unit : state_->units_) {
+    for (const auto& flat : unit.flats) {
+      FlatParamInfo info;
+      info.unit = unit.path;
+      info.numel = flat.numel;
+      info.shardNumel = flat.shardNumel;
+      info.shardOffset = flat.shardNumel * state_->shardRank_;
+      info.requiresGrad = flat.requiresGrad;
+      info.shard = flat.shard;
+      for (const auto& slot : flat.slots) {
+        info.params.push_back({slot.name, slot.shape, slot.offset, slot.numel});
+      }
+      layout.flats.push_back(std::move(info));
+    }
+  }
+  return layout;
 }
 
 const FsdpOptions& FullyShardedDataParallelImpl::options() const { return state_->options_; }

@@ -166,6 +166,30 @@ struct UnitInfo {
   std::int64_t fullBytes = 0;  // bytes of full parameters allocated now
 };
 
+// How the parameters are sharded on this rank, for checkpoints: one entry per flat parameter,
+// in the same order on every rank.
+struct FlatParamInfo {
+  struct Param {
+    std::string name;  // the original parameter's path from the root
+    std::vector<std::int64_t> shape;
+    std::int64_t offset = 0;  // in the flat parameter, in elements
+    std::int64_t numel = 0;
+  };
+  std::string unit;              // the unit's path ("" for the root)
+  std::int64_t numel = 0;        // elements of the flat parameter, padding excluded
+  std::int64_t shardOffset = 0;  // where this rank's shard starts in the flat parameter
+  std::int64_t shardNumel = 0;   // elements of this rank's shard, padding included
+  bool requiresGrad = true;
+  at::Tensor shard;              // this rank's shard: the optimizer's parameter (fp32)
+  std::vector<Param> params;     // in flat order
+};
+struct ShardLayout {
+  int shardRank = 0;            // this rank's place among the ranks that split a parameter
+  int shardSize = 1;            // how many ranks split a parameter (1: NO_SHARD)
+  bool primaryReplica = true;   // the copy that checkpoints write (HYBRID_SHARD: node 0's)
+  std::vector<FlatParamInfo> flats;
+};
+
 class FullyShardedDataParallelImpl : public torch::nn::Module {
  public:
   // `comm` spans the world and must outlive this module. Throws ConfigError for bad use
@@ -210,12 +234,18 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   // The full fp32 parameters, gathered unit by unit, in the original module's order and with
   // its names. Collective: every rank must call it.
   std::vector<std::pair<std::string, at::Tensor>> fullParameters();
+  // Collective: gathers one flat parameter at a time and hands each original parameter (full,
+  // fp32, a view valid during the call) to `sink` with its name; at most one flat parameter is
+  // ever whole on a rank.
+  void visitFullParameters(const std::function<void(const std::string&, const at::Tensor&)>& sink);
 
   // Throws ConfigError if `optimizer` holds tensors that are not this model's shards (it was
   // built before wrapping, or from the original module).
   void checkOptimizer(const torch::optim::Optimizer& optimizer) const;
 
   std::vector<UnitInfo> units() const;
+  // The sharded layout (checkpoints read and write shards through it).
+  ShardLayout shardLayout() const;
   const FsdpOptions& options() const;
   std::shared_ptr<torch::nn::Module> module() const;
 
@@ -269,6 +299,7 @@ using worker::BackwardPrefetch;
 using worker::FsdpOptions;
 using worker::FullyShardedDataParallel;
 using worker::FullyShardedDataParallelImpl;
+using worker::ShardLayout;
 using worker::MixedPrecision;
 using worker::ShardingStrategy;
 using worker::Unit;

@@ -1,0 +1,258 @@
+// Sharded checkpoints with 1-4 ranks as threads of this process (real Gloo, a real store on
+// loopback, real files): round trips, resharding, the offline tools, and refusals.
+#include "fsdp/worker/checkpoint.hpp"
+
+#include <ATen/Functions.h>
+#include <gtest/gtest.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adam.h>
+#include <torch/serialize.h>
+
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <mutex>
+
+#include "fsdp/common/error.hpp"
+#include "fsdp/rendezvous/store_server.hpp"
+#include "fsdp/worker/gloo_communicator.hpp"
+#include "fsdp/worker/runtime.hpp"
+#include "run_command.hpp"
+
+namespace fsdp::worker {
+namespace {
+
+using namespace std::chrono_literals;
+namespace fs = std::filesystem;
+using Params = std::vector<std::pair<std::string, at::Tensor>>;
+
+// Runs body on `world` ranks at once, each with a Runtime of its own.
+void runRanks(int world, const std::function<void(Runtime&)>& body) {
+  rendezvous::StoreServer server(rendezvous::ServerOptions{});
+  std::vector<std::future<void>> ranks;
+  for (int r = 0; r < world; ++r) {
+    ranks.push_back(std::async(std::launch::async, [&, r] {
+      auto store = rendezvous::StoreClient::connect("127.0.0.1", server.port(), {.timeout = 30s});
+      auto comm = createGlooCommunicator(*store, {.rank = r, .size = world, .storePrefix = "world", .timeout = 30s});
+      WorkerEnv env;
+      env.rank = r;
+      env.worldSize = world;
+      env.localRank = r;
+      env.localWorldSize = world;
+      Runtime rt(env, std::move(store), std::move(comm));
+      body(rt);
+      rt.comm().barrier().wait();
+    }));
+  }
+  for (auto& f : ranks) f.get();
+}
+
+// Sizes that do not divide by 2, 3 or 4 (padding everywhere); three units.
+torch::nn::Sequential makeModel(std::int64_t hidden = 29) {
+  torch::nn::Sequential m;
+  m->push_back("fc1", torch::nn::Linear(13, hidden));
+  m->push_back("act", torch::nn::Tanh());
+  m->push_back("fc2", torch::nn::Linear(hidden, 5));
+  at::NoGradGuard noGrad;
+  double k = 0.3;
+  for (auto& p : m->parameters()) {
+    p.copy_(at::cos(at::arange(p.numel(), at::kFloat).mul(0.21).add(k)).reshape(p.sizes()).mul(0.2));
+    k += 0.5;
+  }
+  return m;
+}
+
+const FsdpOptions kOptions{.autoWrap = AutoWrapPolicy::minParams(50)};
+
+void trainSteps(FullyShardedDataParallel& model, torch::optim::Optimizer& opt, Runtime& rt, int from, int to) {
+  auto gen = at::detail::createCPUGenerator(99);
+  const auto x = at::randn({40, 12, 13}, gen);
+  const auto y = at::randn({40, 12, 5}, gen);
+  const auto counts = chunkSizes(12, rt.worldSize());
+  std::int64_t first = 0;
+  for (int r = 0; r < rt.rank(); ++r) first += counts[static_cast<std::size_t>(r)];
+  for (int s = from; s < to; ++s) {
+    opt.zero_grad();
+    const auto mine = counts[static_cast<std::size_t>(rt.rank())];
+    auto loss = torch::nn::functional::mse_loss(model->forward(x[s].narrow(0, first, mine)),
+                                                y[s].narrow(0, first, mine),
+                                                torch::nn::functional::MSELossFuncOptions().reduction(torch::kSum)) *
+                (static_cast<double>(rt.worldSize()) / 12.0 / 5.0);
+    loss.backward();
+    opt.step();
+  }
+}
+
+void expectClose(const Params& a, const Params& b, double rtol, double atol) {
+  ASSERT_EQ(a.size(), b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].first, b[i].first);
+    EXPECT_TRUE(at::allclose(a[i].second, b[i].second, rtol, atol))
+        << a[i].first << ": max difference " << (a[i].second - b[i].second).abs().max().item<double>();
+  }
+}
+
+// Trains `world` ranks to step `to`, saving at `saveAt`; returns the final full parameters.
+Params trainAndSave(int world, const std::string& dir, int saveAt, int to, CheckpointOptions extra = {}) {
+  Params out;
+  std::mutex mutex;
+  runRanks(world, [&](Runtime& rt) {
+    FullyShardedDataParallel model(makeModel(), rt.comm(), kOptions);
+    torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(0.01));
+    CheckpointOptions o = extra;
+    o.dir = dir;
+    Checkpointer ckpt(rt, o);
+    trainSteps(model, opt, rt, 0, saveAt);
+    ckpt.save(model, &opt, {.step = saveAt, .position = {0, saveAt}, .seed = 5});
+    trainSteps(model, opt, rt, saveAt, to);
+    ckpt.wait();
+    auto full = model->fullParameters();
+    if (rt.rank() == 0) {
+      std::scoped_lock lock(mutex);
+      out = full;
+    }
+  });
+  return out;
+}
+
+// Resumes on `world` ranks from the newest checkpoint and trains to step `to`.
+Params resumeAndTrain(int world, const std::string& dir, int to, std::optional<TrainingProgress>* seen = nullptr) {
+  Params out;
+  std::mutex mutex;
+  runRanks(world, [&](Runtime& rt) {
+    FullyShardedDataParallel model(makeModel(), rt.comm(), kOptions);
+    torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(0.01));
+    Checkpointer ckpt(rt, {.dir = dir});
+    const auto progress = ckpt.loadLatest(model, &opt);
+    if (!progress) throw Error("no checkpoint in " + dir);
+    trainSteps(model, opt, rt, static_cast<int>(progress->step), to);
+    auto full = model->fullParameters();
+    if (rt.rank() == 0) {
+      std::scoped_lock lock(mutex);
+      out = full;
+      if (seen != nullptr) *seen = progress;
+    }
+  });
+  return out;
+}
+
+TEST(Checkpoint, ResumingAtTheSameWorldSizeContinuesBitForBit) {
+  testing::TempDir dir;
+  const auto straight = trainAndSave(2, dir.path(), 6, 12);
+  std::optional<TrainingProgress> progress;
+  const auto resumed = resumeAndTrain(2, dir.path(), 12, &progress);
+  ASSERT_TRUE(progress);
+  EXPECT_EQ(progress->step, 6);
+  EXPECT_EQ(progress->position, (SamplerPosition{0, 6}));
+  EXPECT_EQ(progress->seed, 5u);
+  expectClose(straight, resumed, 0, 0);  // parameters and Adam's moments came back exactly
+}
+
+TEST(Checkpoint, LoadsAtAnyWorldSizeAndTheTrainingContinues) {
+  testing::TempDir dir;
+  const auto straight = trainAndSave(2, dir.path(), 6, 12);
+  for (const int world : {1, 3, 4}) {
+    expectClose(straight, resumeAndTrain(world, dir.path(), 12), 1e-5, 1e-6);
+  }
+}
+
+TEST(Checkpoint, AnAsynchronousSaveIsCommittedAndLoadable) {
+  testing::TempDir dir;
+  const auto straight = trainAndSave(2, dir.path(), 6, 12, {.async = true});
+  EXPECT_TRUE(newestCheckpoint(dir.path()).has_value());
+  expectClose(straight, resumeAndTrain(2, dir.path(), 12), 0, 0);
+}
+
+TEST(Checkpoint, KeepsTheNewestKAndIgnoresUnfinishedDirectories) {
+  testing::TempDir dir;
+  runRanks(2, [&](Runtime& rt) {
+    FullyShardedDataParallel model(makeModel(), rt.comm(), kOptions);
+    torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(0.01));
+    Checkpointer ckpt(rt, {.dir = dir.path(), .keep = 2});
+    for (int step = 1; step <= 4; ++step) {
+      trainSteps(model, opt, rt, step - 1, step);
+      ckpt.save(model, &opt, {.step = step});
+    }
+  });
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir.path())) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"step_00000003", "step_00000004"}));
+  // A directory without its COMMIT marker (a save that died) does not count.
+  fs::create_directories(dir.path() + "/step_00000009");
+  EXPECT_EQ(fs::path(*newestCheckpoint(dir.path())).filename(), "step_00000004");
+}
+
+TEST(Checkpoint, TheOfflineToolsConsolidateAndReshard) {
+  testing::TempDir dir;
+  const auto straight = trainAndSave(2, dir.path(), 6, 6);  // saved at the end
+  const auto path = *newestCheckpoint(dir.path());
+  EXPECT_NE(inspectCheckpoint(path).find("fc1.weight [29, 13] Float"), std::string::npos);
+  // Consolidated: what Python's torch.load reads.
+  consolidateCheckpoint(path, dir.path() + "/full.pt");
+  std::ifstream in(dir.path() + "/full.pt", std::ios::binary);
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto dict = torch::pickle_load(bytes).toGenericDict();
+  for (const auto& [name, value] : straight) {
+    EXPECT_TRUE(at::equal(dict.at(name).toTensor(), value)) << name;
+  }
+  // Resharded for 3 ranks: the same weights come back on 3 ranks.
+  reshardCheckpoint(path, dir.path() + "/three/step_00000006", 3);
+  EXPECT_NE(inspectCheckpoint(dir.path() + "/three/step_00000006").find("saved by 3 rank(s)"), std::string::npos);
+  EXPECT_THROW(reshardCheckpoint(path, dir.path() + "/three/step_00000006", 3), ConfigError);  // never overwrites
+  expectClose(straight, resumeAndTrain(3, dir.path() + "/three", 6), 0, 0);
+}
+
+// What a refused load must leave: an error naming the problem, the model untouched.
+void expectRefused(const std::string& dir, const std::string& mention, std::int64_t hidden = 29) {
+  std::mutex mutex;
+  std::vector<std::string> errors;
+  runRanks(2, [&](Runtime& rt) {
+    FullyShardedDataParallel model(makeModel(hidden), rt.comm(), kOptions);
+    torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(0.01));
+    const auto before = model->fullParameters();
+    Checkpointer ckpt(rt, {.dir = dir});
+    try {
+      ckpt.loadLatest(model, &opt);
+      std::scoped_lock lock(mutex);
+      errors.push_back("");
+    } catch (const ConfigError& e) {
+      std::scoped_lock lock(mutex);
+      errors.push_back(e.what());
+    }
+    const auto after = model->fullParameters();
+    for (std::size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(at::equal(before[i].second, after[i].second));
+  });
+  for (const auto& e : errors) EXPECT_NE(e.find(mention), std::string::npos) << "error: '" << e << "', expected: " << mention;
+}
+
+TEST(Checkpoint, CorruptOrMismatchedCheckpointsAreRefusedNamingTheFile) {
+  testing::TempDir dir;
+  trainAndSave(2, dir.path(), 3, 3);
+  const std::string ckpt = *newestCheckpoint(dir.path());
+  const std::string rank1 = ckpt + "/rank_00001.bin";
+  const auto size = fs::file_size(rank1);
+  // A model with other shapes.
+  expectRefused(dir.path(), "parameter 'fc1.weight' has shape [29, 13] there but [31, 13] here", 31);
+  // A flipped byte: the block's CRC.
+  {
+    std::fstream f(rank1, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(8);
+    f.put('\x5a');
+  }
+  expectRefused(dir.path(), "rank_00001.bin: block 'param'");
+  // A truncated shard.
+  fs::resize_file(rank1, size / 2);
+  expectRefused(dir.path(), rank1 + " has " + std::to_string(size / 2) + " bytes");
+  // Missing metadata.
+  fs::remove(ckpt + "/metadata.json");
+  expectRefused(dir.path(), ckpt + "/metadata.json is missing");
+  // Nothing was overwritten or removed by the refusals.
+  EXPECT_TRUE(fs::exists(rank1));
+  EXPECT_EQ(fs::file_size(rank1), size / 2);
+}
+
+}  // namespace
+}  // namespace fsdp::worker

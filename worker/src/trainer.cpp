@@ -1,0 +1,380 @@
+#include "fsdp/worker/trainer.hpp"
+
+#include <ATen/Functions.h>
+#include <sys/resource.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/optim/optimizer.h>
+#include <torch/utils.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "fsdp/common/error.hpp"
+#include "fsdp/worker/runtime.hpp"
+
+namespace fsdp::worker {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+
+double peakRssMb() {
+  rusage usage{};
+  ::getrusage(RUSAGE_SELF, &usage);
+  return static_cast<double>(usage.ru_maxrss) / 1024.0;
+}
+
+std::string clock(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "--:--";
+  const auto s = static_cast<long long>(seconds + 0.5);
+  char text[32];
+  if (s >= 3600) {
+    std::snprintf(text, sizeof(text), "%lld:%02lld:%02lld", s / 3600, s / 60 % 60, s % 60);
+  } else {
+    std::snprintf(text, sizeof(text), "%02lld:%02lld", s / 60, s % 60);
+  }
+  return text;
+}
+
+// A rate with a unit prefix: 1730 -> "1730", 45210 -> "45.2k".
+std::string rate(double v) {
+  char text[32];
+  if (v >= 1e6) {
+    std::snprintf(text, sizeof(text), "%.2fM", v / 1e6);
+  } else if (v >= 1e4) {
+    std::snprintf(text, sizeof(text), "%.1fk", v / 1e3);
+  } else {
+    std::snprintf(text, sizeof(text), "%.0f", v);
+  }
+  return text;
+}
+
+// Whole lines on stdout in one write (ranks share the console).
+void emitLine(const std::string& text) {
+  const std::string line = text + "\n";
+  [[maybe_unused]] const auto n = ::write(STDOUT_FILENO, line.data(), line.size());
+}
+
+}  // namespace
+
+struct Trainer::Impl {
+  Runtime& runtime;
+  FullyShardedDataParallel& model;
+  torch::optim::Optimizer& optimizer;
+  LossFn loss;
+  TrainerOptions options;
+  std::unique_ptr<Checkpointer> checkpointer;
+  std::ofstream metrics;
+  bool bar = false;
+  bool lines = false;
+  bool barOpen = false;  // a bar line is on screen without its newline
+  Clock::time_point start;
+
+  Impl(Runtime& rt, FullyShardedDataParallel& m, torch::optim::Optimizer& o, LossFn l, TrainerOptions opt)
+      : runtime(rt), model(m), optimizer(o), loss(std::move(l)), options(std::move(opt)) {}
+
+  bool leader() const { return runtime.rank() == 0; }
+
+  void printLine(const std::string& text) {
+    if (!leader() || options.progress == ProgressStyle::kNone) return;
+    if (barOpen) {
+      emitLine("");
+      barOpen = false;
+    }
+    emitLine(text);
+  }
+
+  void writeMetrics(const json& line) {
+    if (metrics.is_open()) {
+      metrics << line.dump() << '\n';
+      metrics.flush();
+    }
+  }
+
+  // Sums (or maxima) over every rank.
+  std::vector<double> reduce(std::vector<double> values, ReduceOp op = ReduceOp::kSum) {
+    auto t = at::tensor(values, at::kDouble);
+    runtime.comm().allReduce(t, op).wait();
+    const auto* p = t.data_ptr<double>();
+    return std::vector<double>(p, p + values.size());
+  }
+};
+
+Trainer::Trainer(Runtime& runtime, FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer,
+                 LossFn loss, TrainerOptions options)
+    : impl_(std::make_unique<Impl>(runtime, model, optimizer, std::move(loss), std::move(options))) {
+  const auto& o = impl_->options;
+  if (o.epochs < 1) throw ConfigError("--epochs " + std::to_string(o.epochs) + ": expected at least 1");
+  if (o.maxSteps < 0) throw ConfigError("--max_steps " + std::to_string(o.maxSteps) + ": expected 0 or more");
+  if (o.gradAccumulation < 1) {
+    throw ConfigError("gradient accumulation " + std::to_string(o.gradAccumulation) + ": expected at least 1");
+  }
+  if (o.globalBatch < static_cast<std::int64_t>(runtime.worldSize()) * o.gradAccumulation) {
+    throw ConfigError("--batch_size " + std::to_string(o.globalBatch) + ": must be at least the world size (" +
+                      std::to_string(runtime.worldSize()) + ") times the micro-batches per step (" +
+                      std::to_string(o.gradAccumulation) + ")");
+  }
+  if (o.checkpointEvery < 0) throw ConfigError("--checkpoint_every: expected 0 or more steps");
+  if (!o.checkpointDir.empty()) {
+    impl_->checkpointer = std::make_unique<Checkpointer>(
+        runtime, CheckpointOptions{.dir = o.checkpointDir, .keep = o.keepCheckpoints, .async = o.asyncCheckpoint});
+  }
+  const bool tty = ::isatty(STDOUT_FILENO) == 1 && std::getenv("TERM") != nullptr &&
+                   std::string(std::getenv("TERM")) != "dumb";
+  impl_->bar = o.progress == ProgressStyle::kBar || (o.progress == ProgressStyle::kAuto && tty);
+  impl_->lines = o.progress == ProgressStyle::kLines || (o.progress == ProgressStyle::kAuto && !tty);
+}
+
+Trainer::~Trainer() = default;
+
+Trainer::LossFn Trainer::crossEntropy() {
+  return [](const at::Tensor& output, const Batch& batch) {
+    if (output.dim() > 2) {
+      return torch::nn::functional::cross_entropy(output.reshape({-1, output.size(-1)}), batch.target.reshape({-1}));
+    }
+    return torch::nn::functional::cross_entropy(output, batch.target);
+  };
+}
+
+Trainer::LossFn Trainer::nllLoss() {
+  return [](const at::Tensor& output, const Batch& batch) {
+    if (output.dim() > 2) {
+      return torch::nn::functional::nll_loss(output.reshape({-1, output.size(-1)}), batch.target.reshape({-1}));
+    }
+    return torch::nn::functional::nll_loss(output, batch.target);
+  };
+}
+
+EvalResult Trainer::evaluate(const Dataset& data) {
+  auto& d = *impl_;
+  const auto& o = d.options;
+  torch::NoGradGuard noGrad;
+  d.model->eval();
+  const std::int64_t batch = o.evalBatch > 0 ? o.evalBatch : 4 * o.globalBatch;
+  DistributedSampler sampler(data.size(), d.runtime.rank(), d.runtime.worldSize(),
+                             {.globalBatch = std::max<std::int64_t>(batch, d.runtime.worldSize()), .shuffle = false});
+  DataLoader loader(data, sampler, {0, 0}, o.prefetch);
+  double lossSum = 0, correct = 0, samples = 0;
+  for (std::int64_t s = 0; s < sampler.stepsPerEpoch(); ++s) {
+    const auto item = loader.next();
+    const auto& b = item.batch;
+    const auto n = static_cast<double>(b.input.size(0));
+    if (n == 0) continue;
+    const at::Tensor out = (forward ? forward(d.model, b) : d.model->forward(b.input)).to(at::kFloat);
+    lossSum += d.loss(out, b).item<double>() * n;
+    if (o.accuracy) correct += out.argmax(-1).eq(b.target).sum().item<double>() / (b.target.numel() / n);
+    samples += n;
+  }
+  const auto sums = d.reduce({lossSum, correct, samples});
+  d.model->train();
+  return {sums[2] > 0 ? sums[0] / sums[2] : 0.0, sums[2] > 0 ? sums[1] / sums[2] : 0.0,
+          static_cast<std::int64_t>(sums[2])};
+}
+
+FitResult Trainer::fit(const Dataset& train, const Dataset* eval) {
+  auto& d = *impl_;
+  const auto& o = d.options;
+  const int rank = d.runtime.rank();
+  const int world = d.runtime.worldSize();
+  d.start = Clock::now();
+  DistributedSampler sampler(train.size(), rank, world,
+                             {.globalBatch = o.globalBatch, .shuffle = o.shuffle, .seed = o.seed, .lastBatch = o.lastBatch});
+  const std::int64_t stepsPerEpoch = sampler.stepsPerEpoch();
+  const std::int64_t totalSteps = o.maxSteps > 0 ? std::min(o.maxSteps, stepsPerEpoch * o.epochs)
+                                                 : stepsPerEpoch * o.epochs;
+
+  FitResult result;
+  std::int64_t step = 0;
+  SamplerPosition position;
+  // Each rank its own stream (dropout differs per rank as it differs per sample in one process).
+  const auto reseed = [&](std::int64_t atStep) {
+    torch::manual_seed(o.seed * 1000003ULL + 1 + static_cast<std::uint64_t>(rank) +
+                       static_cast<std::uint64_t>(atStep) * 7919ULL);
+  };
+  reseed(0);
+  if (d.checkpointer) {
+    if (const auto progress = d.checkpointer->loadLatest(d.model, &d.optimizer)) {
+      step = progress->step;
+      position = progress->position;
+      result.resumedFrom = step;
+      if (!progress->rngRestored) reseed(step);
+      d.printLine("resumed from the checkpoint of step " + std::to_string(step) + " in " + o.checkpointDir +
+                  (progress->rngRestored ? "" : " (another world size: RNG reseeded)"));
+    }
+  }
+  if (d.leader() && !o.metricsFile.empty()) {
+    d.metrics.open(o.metricsFile, result.resumedFrom ? std::ios::app : std::ios::trunc);
+    if (!d.metrics) throw ConfigError("--metrics_file '" + o.metricsFile + "': cannot write it");
+  }
+
+  std::optional<std::int64_t> lastSaved = result.resumedFrom;
+  const auto checkpoint = [&](const SamplerPosition& next) {
+    if (!d.checkpointer || lastSaved == step) return;
+    d.checkpointer->save(d.model, &d.optimizer,
+                         {.step = step, .position = next, .seed = o.seed,
+                          .extraJson = json{{"epochs", o.epochs}, {"global_batch", o.globalBatch}}.dump()});
+    lastSaved = step;
+  };
+  const auto evaluateEpoch = [&](int epoch) {
+    if (eval == nullptr) return;
+    const auto t0 = Clock::now();
+    result.eval = evaluate(*eval);
+    const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    char text[256];
+    if (o.accuracy) {
+      std::snprintf(text, sizeof(text), "eval epoch %d step %lld: loss %.4f accuracy %.4f (%lld samples, %.1f s)",
+                    epoch + 1, static_cast<long long>(step), result.eval.loss, result.eval.accuracy,
+                    static_cast<long long>(result.eval.samples), seconds);
+    } else {
+      std::snprintf(text, sizeof(text), "eval epoch %d step %lld: loss %.4f (%lld samples, %.1f s)", epoch + 1,
+                    static_cast<long long>(step), result.eval.loss, static_cast<long long>(result.eval.samples), seconds);
+    }
+    d.printLine(text);
+    json line{{"type", "eval"}, {"epoch", epoch + 1}, {"step", step}, {"loss", result.eval.loss},
+              {"samples", result.eval.samples},
+              {"elapsed_s", std::chrono::duration<double>(Clock::now() - d.start).count()}};
+    if (o.accuracy) line["accuracy"] = result.eval.accuracy;
+    d.writeMetrics(line);
+  };
+
+  // Interval accumulators (this rank), reduced at every log line.
+  double lossSum = 0, samples = 0, tokens = 0;
+  std::int64_t intervalSteps = 0;
+  auto intervalStart = Clock::now();
+  double trainSeconds = 0, totalSamples = 0, totalTokens = 0;
+  double lastLr = 0;
+  int evaluatedEpoch = -1;
+  d.model->train();
+  {
+    DataLoader loader(train, sampler, position, o.prefetch);
+    int epoch = position.epoch;
+    while (epoch < o.epochs && (o.maxSteps == 0 || step < o.maxSteps)) {
+      const auto item = loader.next();
+      if (item.position.epoch != epoch) {  // the previous epoch is complete
+        evaluateEpoch(epoch);
+        evaluatedEpoch = epoch;
+        epoch = item.position.epoch;
+        if (epoch >= o.epochs) break;
+      }
+      // A last global batch too small to give every rank (and micro-batch) an example is left
+      // out, on every rank alike: a rank without data would miss the collectives.
+      if (item.globalBatch < static_cast<std::int64_t>(world) * o.gradAccumulation) {
+        position = sampler.next(item.position);
+        continue;
+      }
+      const auto stepStart = Clock::now();
+      if (o.lrSchedule) {
+        lastLr = o.lrSchedule(step);
+        for (auto& group : d.optimizer.param_groups()) group.options().set_lr(lastLr);
+      } else if (!d.optimizer.param_groups().empty()) {
+        lastLr = d.optimizer.param_groups().front().options().get_lr();
+      }
+      d.optimizer.zero_grad();
+      const auto& b = item.batch;
+      const std::int64_t local = b.input.size(0);
+      const int micro = static_cast<int>(std::min<std::int64_t>(o.gradAccumulation, std::max<std::int64_t>(local, 1)));
+      const auto inputs = local > 0 ? b.input.chunk(micro) : std::vector<at::Tensor>{};
+      const auto targets = local > 0 ? b.target.chunk(micro) : std::vector<at::Tensor>{};
+      for (std::size_t m = 0; m < inputs.size(); ++m) {
+        const Batch part{inputs[m], targets[m], b.tokens * inputs[m].size(0) / std::max<std::int64_t>(local, 1)};
+        const auto n = static_cast<double>(part.input.size(0));
+        // FSDP averages gradients over ranks; scaling each micro-batch's mean by its share of
+        // the global batch makes the sum of everything the global batch's mean.
+        const double scale = n * world / static_cast<double>(item.globalBatch);
+        const auto run = [&] {
+          const at::Tensor out = (forward ? forward(d.model, part) : d.model->forward(part.input)).to(at::kFloat);
+          const at::Tensor l = d.loss(out, part);
+          (l * scale).backward();
+          lossSum += l.item<double>() * n;
+        };
+        if (m + 1 < inputs.size()) {
+          auto guard = d.model->noSync();
+          run();
+        } else {
+          run();
+        }
+        samples += n;
+        tokens += static_cast<double>(part.tokens);
+      }
+      if (o.clipGradNorm > 0) d.model->clipGradNorm(o.clipGradNorm);
+      d.optimizer.step();
+      ++step;
+      ++intervalSteps;
+      const double stepSeconds = std::chrono::duration<double>(Clock::now() - stepStart).count();
+      trainSeconds += stepSeconds;
+      totalSamples += static_cast<double>(item.globalBatch);
+      totalTokens += static_cast<double>(b.tokens) * world;
+      if (afterStep) afterStep(step);
+
+      const std::int64_t inEpoch = item.position.step + 1;
+      if (d.bar && d.leader()) {
+        const double perSecond = totalSamples / std::max(trainSeconds, 1e-9);
+        const double remaining = static_cast<double>(totalSteps - step) * trainSeconds /
+                                 std::max<double>(1, static_cast<double>(step - result.resumedFrom.value_or(0)));
+        const int width = 24;
+        const int filled = static_cast<int>(width * inEpoch / std::max<std::int64_t>(1, stepsPerEpoch));
+        char text[256];
+        std::snprintf(text, sizeof(text), "\rtrain epoch %d/%d [%s%s] %lld/%lld %3d%% %s samples/s loss %.4f ETA %s\x1b[K",
+                      epoch + 1, o.epochs, std::string(static_cast<std::size_t>(filled), '#').c_str(),
+                      std::string(static_cast<std::size_t>(width - filled), '.').c_str(),
+                      static_cast<long long>(inEpoch), static_cast<long long>(stepsPerEpoch),
+                      static_cast<int>(100 * inEpoch / std::max<std::int64_t>(1, stepsPerEpoch)),
+                      rate(perSecond).c_str(), samples > 0 ? lossSum / samples : 0.0, clock(remaining).c_str());
+        [[maybe_unused]] const auto w = ::write(STDOUT_FILENO, text, std::strlen(text));
+        d.barOpen = true;
+      }
+      const bool last = (o.maxSteps > 0 && step >= o.maxSteps) || (inEpoch == stepsPerEpoch && epoch + 1 == o.epochs);
+      if (o.logEvery > 0 && (step % o.logEvery == 0 || last)) {
+        const double seconds = std::chrono::duration<double>(Clock::now() - intervalStart).count();
+        const auto sums = d.reduce({lossSum, samples, tokens});
+        const double peak = d.reduce({peakRssMb()}, ReduceOp::kMax)[0];
+        result.trainLoss = sums[1] > 0 ? sums[0] / sums[1] : 0.0;
+        const double samplesPerSecond = sums[1] / std::max(seconds, 1e-9);
+        const double tokensPerSecond = sums[2] / std::max(seconds, 1e-9);
+        const double stepMs = 1000.0 * seconds / static_cast<double>(std::max<std::int64_t>(intervalSteps, 1));
+        json line{{"type", "train"}, {"epoch", epoch + 1}, {"step", step}, {"loss", result.trainLoss},
+                  {"lr", lastLr}, {"samples_per_s", samplesPerSecond}, {"step_time_ms", stepMs},
+                  {"peak_rss_mb", peak},
+                  {"elapsed_s", std::chrono::duration<double>(Clock::now() - d.start).count()}};
+        if (sums[2] > 0) line["tokens_per_s"] = tokensPerSecond;
+        d.writeMetrics(line);
+        if (d.lines) {
+          const double remaining = static_cast<double>(totalSteps - step) * stepMs / 1000.0;
+          char text[256];
+          std::snprintf(text, sizeof(text),
+                        "train epoch %d/%d step %lld/%lld: loss %.4f, %s samples/s%s, %.1f ms/step, peak %.0f MB, ETA %s",
+                        epoch + 1, o.epochs, static_cast<long long>(inEpoch), static_cast<long long>(stepsPerEpoch),
+                        result.trainLoss, rate(samplesPerSecond).c_str(),
+                        sums[2] > 0 ? (", " + rate(tokensPerSecond) + " tokens/s").c_str() : "", stepMs, peak,
+                        clock(remaining).c_str());
+          d.printLine(text);
+        }
+        result.peakRssMb = std::max(result.peakRssMb, peak);
+        lossSum = samples = tokens = 0;
+        intervalSteps = 0;
+        intervalStart = Clock::now();
+      }
+      if (d.checkpointer && o.checkpointEvery > 0 && step % o.checkpointEvery == 0) {
+        checkpoint(sampler.next(item.position));
+      }
+      position = sampler.next(item.position);
+    }
+    if (evaluatedEpoch != epoch && epoch < o.epochs) evaluateEpoch(epoch);
+    if (evaluatedEpoch != epoch && epoch >= o.epochs && evaluatedEpoch != o.epochs - 1) evaluateEpoch(o.epochs - 1);
+  }
+  checkpoint(position);
+  if (d.checkpointer) d.checkpointer->wait();
+  if (d.barOpen && d.leader()) emitLine("");
+  d.barOpen = false;
+  result.steps = step;
+  result.samplesPerSecond = totalSamples / std::max(trainSeconds, 1e-9);
+  result.tokensPerSecond = totalTokens / std::max(trainSeconds, 1e-9);
+  result.peakRssMb = std::max(result.peakRssMb, d.reduce({peakRssMb()}, ReduceOp::kMax)[0]);
+  return result;
+}
+
+}  // namespace fsdp::worker
