@@ -35,7 +35,7 @@ test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure --timeout 600 -j $(JOBS) $(CTEST_ARGS)
 
 demo: build
-	$(BUILD_DIR)/bin/fsdprun --standalone --nproc_per_node 2 $(BUILD_DIR)/bin/mnist --epochs 1
+	@scripts/demo $(BUILD_DIR)
 
 bench: build
 	$(BUILD_DIR)/bin/fsdp-bench --all

@@ -19,6 +19,7 @@
 #include "fsdp/worker/errors.hpp"
 #include "fsdp/worker/fsdp.hpp"
 #include "fsdp/worker/runtime.hpp"
+#include "fsdp/worker/trainer.hpp"
 #include "model.hpp"
 
 namespace {
@@ -40,6 +41,9 @@ struct Flags {
   std::string mixedPrecision = "no";
   bool checkpointing = false;
   std::string metricsFile;
+  std::string checkpointDir;
+  int checkpointEvery = 0;
+  int gradAccumulation = 1;
 };
 
 // Every regular text file under `path` (or `path` itself), fortune index files (.dat) left out.
@@ -94,48 +98,6 @@ Corpus tokenize(const std::string& text) {
   return c;
 }
 
-// This rank's slice of a global batch of random windows (the same windows on every rank).
-std::pair<at::Tensor, at::Tensor> batch(const at::Tensor& data, int global, std::int64_t block,
-                                        at::Generator& gen, int rank, int world) {
-  const auto starts = at::randint(data.size(0) - block - 1, {global}, gen, at::kLong);
-  const auto counts = fsdp::worker::chunkSizes(global, world);
-  std::int64_t first = 0;
-  for (int r = 0; r < rank; ++r) first += counts[r];
-  std::vector<at::Tensor> xs, ys;
-  for (std::int64_t i = first; i < first + counts[rank]; ++i) {
-    const auto s = starts[i].item<std::int64_t>();
-    xs.push_back(data.narrow(0, s, block));
-    ys.push_back(data.narrow(0, s + 1, block));
-  }
-  return {at::stack(xs), at::stack(ys)};
-}
-
-struct Eval {
-  double loss = 0;
-  double accuracy = 0;
-};
-
-Eval evaluate(fsdp::FullyShardedDataParallel& model, const Corpus& c, const Flags& f,
-              fsdp::Runtime& rt) {
-  at::NoGradGuard noGrad;
-  model->eval();
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(12345);  // the same windows every time
-  double loss = 0, correct = 0, tokens = 0;
-  for (int i = 0; i < f.evalBatches; ++i) {
-    const auto [x, y] = batch(c.val, f.batchSize, f.blockSize, gen, rt.rank(), rt.worldSize());
-    const auto logits = model->forward(x).to(at::kFloat).view({-1, static_cast<std::int64_t>(c.alphabet.size())});
-    loss += torch::nn::functional::cross_entropy(
-                logits, y.view(-1), torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
-                .item<double>();
-    correct += logits.argmax(1).eq(y.view(-1)).sum().item<double>();
-    tokens += static_cast<double>(y.numel());
-  }
-  auto sums = at::tensor({loss, correct, tokens}, at::kDouble);
-  rt.comm().allReduce(sums).wait();
-  model->train();
-  return {sums[0].item<double>() / sums[2].item<double>(), sums[1].item<double>() / sums[2].item<double>()};
-}
-
 // Every rank runs the model (its forward is collective); rank 0 draws and broadcasts.
 std::string sample(fsdp::FullyShardedDataParallel& model, const Corpus& c, const Flags& f,
                    fsdp::Runtime& rt) {
@@ -166,10 +128,6 @@ int run(const Flags& f) {
   const Corpus corpus = tokenize(readCorpus(f.data));
   auto rt = fsdp::init();
   const int rank = rt->rank(), world = rt->worldSize();
-  if (f.batchSize < world) {
-    throw fsdp::ConfigError("--batch_size " + std::to_string(f.batchSize) +
-                            ": must be at least the world size " + std::to_string(world));
-  }
   if (f.nEmbd % f.nHead != 0) {
     throw fsdp::ConfigError("--n_embd " + std::to_string(f.nEmbd) + " is not a multiple of --n_head " +
                             std::to_string(f.nHead));
@@ -196,69 +154,40 @@ int run(const Flags& f) {
   for (const auto& u : model->units()) numParams += u.numel;
   torch::optim::AdamW optimizer(model->parameters(),
                                 torch::optim::AdamWOptions(f.lr).weight_decay(0.01));
-  std::ofstream metrics;
-  if (rank == 0 && !f.metricsFile.empty()) {
-    metrics.open(f.metricsFile);
-    if (!metrics) throw fsdp::ConfigError("--metrics_file '" + f.metricsFile + "': cannot write");
-  }
   if (rank == 0) {
     std::printf("gpt: %lld parameters, %zu characters, %lld train tokens, unigram val loss %.4f\n",
                 static_cast<long long>(numParams), corpus.alphabet.size(),
                 static_cast<long long>(corpus.train.size(0)), corpus.unigramLoss);
     std::fflush(stdout);
   }
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<std::uint64_t>(f.seed) + 1);
-  double seconds = 0, lossSum = 0;
-  long long step = 0, tokens = 0, lossCount = 0;
-  Eval last;
-  while (step < f.maxSteps) {
-    const auto start = Clock::now();
-    const auto [x, y] = batch(corpus.train, f.batchSize, f.blockSize, gen, rank, world);
-    optimizer.zero_grad();
-    const auto logits = model->forward(x).to(at::kFloat);
-    // Sum over my tokens * world / global tokens: FSDP's average over ranks is the global mean.
-    const auto loss = torch::nn::functional::cross_entropy(
-                          logits.view({-1, config.vocabSize}), y.view(-1),
-                          torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) *
-                      (static_cast<double>(world) / static_cast<double>(f.batchSize * f.blockSize));
-    loss.backward();
-    model->clipGradNorm(1.0);
-    optimizer.step();
-    ++step;
-    auto lossCopy = loss.detach().reshape({1}).to(at::kDouble).div(world);
-    rt->comm().allReduce(lossCopy).wait();
-    lossSum += lossCopy.item<double>();
-    ++lossCount;
-    seconds += std::chrono::duration<double>(Clock::now() - start).count();
-    tokens += static_cast<long long>(f.batchSize) * f.blockSize;
-    if (rank == 0 && f.logEvery > 0 && step % f.logEvery == 0) {
-      std::printf("step %lld/%lld loss %.4f (%.0f tokens/s)\n", step, f.maxSteps,
-                  lossSum / static_cast<double>(lossCount), static_cast<double>(tokens) / seconds);
-      std::fflush(stdout);
-      if (metrics.is_open()) {
-        metrics << nlohmann::json{{"kind", "train"}, {"step", step},
-                                  {"train_loss", lossSum / static_cast<double>(lossCount)},
-                                  {"tokens_per_s", static_cast<double>(tokens) / seconds}}
-                       .dump()
-                << '\n';
-      }
-      lossSum = 0;
-      lossCount = 0;
-    }
-    if ((f.evalEvery > 0 && step % f.evalEvery == 0) || step == f.maxSteps) {
-      last = evaluate(model, corpus, f, *rt);
-      if (rank == 0) {
-        std::printf("step %lld: val_loss %.4f (unigram baseline %.4f) val_accuracy %.4f\n", step,
-                    last.loss, corpus.unigramLoss, last.accuracy);
-        std::fflush(stdout);
-        if (metrics.is_open()) {
-          metrics << nlohmann::json{{"kind", "eval"}, {"step", step}, {"val_loss", last.loss},
-                                    {"val_accuracy", last.accuracy}, {"unigram_loss", corpus.unigramLoss}}
-                         .dump()
-                  << '\n';
-        }
-      }
-    }
+  // Every window of the training text, shuffled per epoch; a fixed sample of validation windows.
+  const fsdp::TokenWindowDataset train(corpus.train, f.blockSize);
+  const fsdp::TokenWindowDataset valWindows(corpus.val, f.blockSize);
+  auto pick = at::make_generator<at::CPUGeneratorImpl>(12345);
+  const fsdp::SubsetDataset val(
+      valWindows, at::randperm(valWindows.size(), pick, at::kLong)
+                      .narrow(0, 0, std::min<std::int64_t>(valWindows.size(), static_cast<std::int64_t>(f.evalBatches) * f.batchSize)));
+  fsdp::Trainer trainer(*rt, model, optimizer, fsdp::Trainer::crossEntropy(),
+                        {.epochs = 1000000,
+                         .maxSteps = f.maxSteps,
+                         .globalBatch = f.batchSize,
+                         .gradAccumulation = f.gradAccumulation,
+                         .clipGradNorm = 1.0,
+                         .seed = static_cast<std::uint64_t>(f.seed),
+                         .evalBatch = f.batchSize,
+                         .evaluateEveryEpoch = false,
+                         .evalEvery = f.evalEvery,
+                         .accuracy = true,
+                         .logEvery = f.logEvery,
+                         .metricsFile = f.metricsFile,
+                         .progress = f.logEvery > 0 ? fsdp::ProgressStyle::kAuto : fsdp::ProgressStyle::kNone,
+                         .checkpointDir = f.checkpointDir,
+                         .checkpointEvery = f.checkpointEvery});
+  const auto result = trainer.fit(train, &val);
+  if (rank == 0) {
+    std::printf("step %lld: val_loss %.4f (unigram baseline %.4f) val_accuracy %.4f\n",
+                static_cast<long long>(result.steps), result.eval.loss, corpus.unigramLoss, result.eval.accuracy);
+    std::fflush(stdout);
   }
   const std::string text = f.sampleChars > 0 ? sample(model, corpus, f, *rt) : "";
   const std::string hash = fsdp::examples::paramsSha256(model);
@@ -270,12 +199,12 @@ int run(const Flags& f) {
                                 {"mixed_precision", f.mixedPrecision},
                                 {"activation_checkpointing", f.checkpointing},
                                 {"world_size", world},
-                                {"steps", step},
-                                {"test_loss", last.loss},
-                                {"test_accuracy", last.accuracy},
+                                {"steps", result.steps},
+                                {"test_loss", result.eval.loss},
+                                {"test_accuracy", result.eval.accuracy},
                                 {"unigram_loss", corpus.unigramLoss},
-                                {"train_tokens_per_s", seconds > 0 ? static_cast<double>(tokens) / seconds : 0.0},
-                                {"train_samples_per_s", seconds > 0 ? static_cast<double>(step * f.batchSize) / seconds : 0.0},
+                                {"train_tokens_per_s", result.tokensPerSecond},
+                                {"train_samples_per_s", result.samplesPerSecond},
                                 {"peak_rss_mb", fsdp::examples::peakRssMb()},
                                 {"params_sha256", hash}}
                      .dump()
@@ -314,6 +243,13 @@ int main(int argc, char** argv) {
   app.add_flag("--activation_checkpointing,--activation-checkpointing", f.checkpointing,
                "Recompute each block's forward during backward");
   app.add_option("--metrics_file,--metrics-file", f.metricsFile, "JSONL metrics written by rank 0");
+  app.add_option("--checkpoint_dir,--checkpoint-dir", f.checkpointDir,
+                 "Resume from the newest checkpoint here, and save checkpoints here");
+  app.add_option("--checkpoint_every,--checkpoint-every", f.checkpointEvery,
+                 "Steps between checkpoints (0 = only the last step)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--grad_accumulation,--grad-accumulation", f.gradAccumulation, "Micro-batches per step")
+      ->check(CLI::PositiveNumber);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -8,6 +8,7 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdlib>
+#include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <torch/optim/adam.h>
@@ -48,6 +49,7 @@ struct Flags {
   int gradAccumulation = 1;
   double clipGradNorm = 0;
   std::string progress = "auto";
+  std::string summaryFile;
   long long faultKillAtStep = 0;
   int faultKillRank = -1;
 };
@@ -133,6 +135,11 @@ int run(const Flags& flags) {
     };
     if (!flags.metricsFile.empty()) summary["metrics_file"] = flags.metricsFile;
     std::cout << summary.dump() << std::endl;
+    if (!flags.summaryFile.empty()) {
+      std::ofstream out(flags.summaryFile);
+      out << summary.dump() << '\n';
+      if (!out) throw fsdp::Error("--summary_file '" + flags.summaryFile + "': cannot write it");
+    }
   }
   rt->comm().barrier().wait();
   return 0;
@@ -181,6 +188,8 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--clip_grad_norm,--clip-grad-norm", flags.clipGradNorm, "Clip the gradient norm (0 = off)")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--summary_file,--summary-file", flags.summaryFile,
+                 "Also write the summary JSON (the last line) to this file");
   app.add_option("--progress", flags.progress, "auto (a bar on a terminal), bar, lines or none")
       ->check(CLI::IsMember({"auto", "bar", "lines", "none"}));
   app.add_option("--fault_kill_at_step", flags.faultKillAtStep,

@@ -37,6 +37,16 @@ Batch TokenWindowDataset::get(const at::Tensor& indices) const {
           indices.numel() * blockSize_};
 }
 
+SubsetDataset::SubsetDataset(const Dataset& base, at::Tensor indices)
+    : base_(base), indices_(std::move(indices)) {
+  if (indices_.numel() > 0 && (indices_.min().item<std::int64_t>() < 0 ||
+                               indices_.max().item<std::int64_t>() >= base_.size())) {
+    throw ConfigError("SubsetDataset: indices outside the dataset's " + std::to_string(base_.size()) + " examples");
+  }
+}
+
+Batch SubsetDataset::get(const at::Tensor& indices) const { return base_.get(indices_.index_select(0, indices)); }
+
 DistributedSampler::DistributedSampler(std::int64_t datasetSize, int rank, int worldSize,
                                        SamplerOptions options)
     : size_(datasetSize), rank_(rank), world_(worldSize), options_(options) {

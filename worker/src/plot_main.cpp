@@ -9,6 +9,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <filesystem>
@@ -70,12 +71,25 @@ int plot(const std::string& input, const std::string& output) {
     throw fsdp::ConfigError("output '" + output + "': expected a .png or .svg file name");
   }
   const bool haveAccuracy = !accuracy.points.empty();
+  // One step axis for every panel (a single evaluation would otherwise leave an empty range).
+  double xmin = 1e300, xmax = -1e300;
+  for (const Series* series : {&trainLoss, &evalLoss, &accuracy, &samples, &tokens}) {
+    for (const auto& [x, y] : series->points) {
+      xmin = std::min(xmin, x);
+      xmax = std::max(xmax, x);
+    }
+  }
+  xmin = std::min(xmin, 0.0);
+  if (xmax <= xmin) {
+    xmin -= 1;
+    xmax += 1;
+  }
   const int panels = 2 + (haveAccuracy ? 1 : 0);
   std::ostringstream script;
   script << "set terminal " << terminal << "\n"
          << "set output '" << output << "'\n"
          << "set multiplot layout " << panels << ",1 title '" << std::filesystem::path(input).filename().string()
-         << "'\nset grid\nset key top right\nset xlabel 'step'\n";
+         << "'\nset grid\nset key top right\nset xlabel 'step'\nset xrange [" << xmin << ":" << xmax << "]\n";
   // Loss.
   script << "set ylabel 'loss'\nplot ";
   std::string data;
@@ -91,8 +105,8 @@ int plot(const std::string& input, const std::string& output) {
   }
   script << "\n" << data;
   if (haveAccuracy) {
-    script << "set ylabel 'accuracy'\nplot '-' using 1:2 with linespoints pt 7 title 'eval accuracy'\n"
-           << accuracy.data();
+    script << "set ylabel 'accuracy'\nset yrange [0:1]\nplot '-' using 1:2 with linespoints pt 7 title 'eval accuracy'\n"
+           << accuracy.data() << "set autoscale y\n";
   }
   // Throughput (tokens on their own axis: they are blocks of samples).
   if (!tokens.points.empty()) script << "set y2tics\nset y2label 'tokens per second'\n";

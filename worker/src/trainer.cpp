@@ -186,6 +186,8 @@ FitResult Trainer::fit(const Dataset& train, const Dataset* eval) {
   const std::int64_t stepsPerEpoch = sampler.stepsPerEpoch();
   const std::int64_t totalSteps = o.maxSteps > 0 ? std::min(o.maxSteps, stepsPerEpoch * o.epochs)
                                                  : stepsPerEpoch * o.epochs;
+  // Runs cut short by --max_steps count steps, not epochs, in what they print.
+  const bool bySteps = totalSteps < stepsPerEpoch * o.epochs && totalSteps < stepsPerEpoch;
 
   FitResult result;
   std::int64_t step = 0;
@@ -247,7 +249,7 @@ FitResult Trainer::fit(const Dataset& train, const Dataset* eval) {
   auto intervalStart = Clock::now();
   double trainSeconds = 0, totalSamples = 0, totalTokens = 0;
   double lastLr = 0;
-  int evaluatedEpoch = -1;
+  std::int64_t lastEvalStep = -1;
   d.model->train();
   {
     DataLoader loader(train, sampler, position, o.prefetch);
@@ -255,8 +257,10 @@ FitResult Trainer::fit(const Dataset& train, const Dataset* eval) {
     while (epoch < o.epochs && (o.maxSteps == 0 || step < o.maxSteps)) {
       const auto item = loader.next();
       if (item.position.epoch != epoch) {  // the previous epoch is complete
-        evaluateEpoch(epoch);
-        evaluatedEpoch = epoch;
+        if (o.evaluateEveryEpoch && lastEvalStep != step) {
+          evaluateEpoch(epoch);
+          lastEvalStep = step;
+        }
         epoch = item.position.epoch;
         if (epoch >= o.epochs) break;
       }
@@ -311,18 +315,26 @@ FitResult Trainer::fit(const Dataset& train, const Dataset* eval) {
       if (afterStep) afterStep(step);
 
       const std::int64_t inEpoch = item.position.step + 1;
+      const std::int64_t shownStep = bySteps ? step : inEpoch;
+      const std::int64_t shownTotal = bySteps ? totalSteps : stepsPerEpoch;
+      char where[64];
+      if (bySteps) {
+        std::snprintf(where, sizeof(where), "train");
+      } else {
+        std::snprintf(where, sizeof(where), "train epoch %d/%d", epoch + 1, o.epochs);
+      }
       if (d.bar && d.leader()) {
         const double perSecond = totalSamples / std::max(trainSeconds, 1e-9);
         const double remaining = static_cast<double>(totalSteps - step) * trainSeconds /
                                  std::max<double>(1, static_cast<double>(step - result.resumedFrom.value_or(0)));
         const int width = 24;
-        const int filled = static_cast<int>(width * inEpoch / std::max<std::int64_t>(1, stepsPerEpoch));
-        char text[256];
-        std::snprintf(text, sizeof(text), "\rtrain epoch %d/%d [%s%s] %lld/%lld %3d%% %s samples/s loss %.4f ETA %s\x1b[K",
-                      epoch + 1, o.epochs, std::string(static_cast<std::size_t>(filled), '#').c_str(),
+        const int filled = static_cast<int>(width * shownStep / std::max<std::int64_t>(1, shownTotal));
+        char text[320];
+        std::snprintf(text, sizeof(text), "\r%s [%s%s] %lld/%lld %3d%% %s samples/s loss %.4f ETA %s\x1b[K",
+                      where, std::string(static_cast<std::size_t>(filled), '#').c_str(),
                       std::string(static_cast<std::size_t>(width - filled), '.').c_str(),
-                      static_cast<long long>(inEpoch), static_cast<long long>(stepsPerEpoch),
-                      static_cast<int>(100 * inEpoch / std::max<std::int64_t>(1, stepsPerEpoch)),
+                      static_cast<long long>(shownStep), static_cast<long long>(shownTotal),
+                      static_cast<int>(100 * shownStep / std::max<std::int64_t>(1, shownTotal)),
                       rate(perSecond).c_str(), samples > 0 ? lossSum / samples : 0.0, clock(remaining).c_str());
         [[maybe_unused]] const auto w = ::write(STDOUT_FILENO, text, std::strlen(text));
         d.barOpen = true;
@@ -346,8 +358,8 @@ FitResult Trainer::fit(const Dataset& train, const Dataset* eval) {
           const double remaining = static_cast<double>(totalSteps - step) * stepMs / 1000.0;
           char text[256];
           std::snprintf(text, sizeof(text),
-                        "train epoch %d/%d step %lld/%lld: loss %.4f, %s samples/s%s, %.1f ms/step, peak %.0f MB, ETA %s",
-                        epoch + 1, o.epochs, static_cast<long long>(inEpoch), static_cast<long long>(stepsPerEpoch),
+                        "%s step %lld/%lld: loss %.4f, %s samples/s%s, %.1f ms/step, peak %.0f MB, ETA %s", where,
+                        static_cast<long long>(shownStep), static_cast<long long>(shownTotal),
                         result.trainLoss, rate(samplesPerSecond).c_str(),
                         sums[2] > 0 ? (", " + rate(tokensPerSecond) + " tokens/s").c_str() : "", stepMs, peak,
                         clock(remaining).c_str());
@@ -358,13 +370,16 @@ FitResult Trainer::fit(const Dataset& train, const Dataset* eval) {
         intervalSteps = 0;
         intervalStart = Clock::now();
       }
+      if (eval != nullptr && o.evalEvery > 0 && step % o.evalEvery == 0) {
+        evaluateEpoch(epoch);
+        lastEvalStep = step;
+      }
       if (d.checkpointer && o.checkpointEvery > 0 && step % o.checkpointEvery == 0) {
         checkpoint(sampler.next(item.position));
       }
       position = sampler.next(item.position);
     }
-    if (evaluatedEpoch != epoch && epoch < o.epochs) evaluateEpoch(epoch);
-    if (evaluatedEpoch != epoch && epoch >= o.epochs && evaluatedEpoch != o.epochs - 1) evaluateEpoch(o.epochs - 1);
+    if (lastEvalStep != step) evaluateEpoch(std::min(epoch, o.epochs - 1));
   }
   checkpoint(position);
   if (d.checkpointer) d.checkpointer->wait();

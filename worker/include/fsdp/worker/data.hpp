@@ -67,6 +67,19 @@ class TokenWindowDataset : public Dataset {
   std::int64_t blockSize_;
 };
 
+// A fixed selection of another dataset's examples (e.g. a validation subset).
+class SubsetDataset : public Dataset {
+ public:
+  // `indices` (1-D, int64) into `base`, which must outlive this.
+  SubsetDataset(const Dataset& base, at::Tensor indices);
+  std::int64_t size() const override { return indices_.size(0); }
+  Batch get(const at::Tensor& indices) const override;
+
+ private:
+  const Dataset& base_;
+  at::Tensor indices_;
+};
+
 struct SamplerPosition {
   int epoch = 0;           // counted from 0
   std::int64_t step = 0;   // global batches already taken in this epoch
@@ -153,6 +166,7 @@ using worker::DistributedSampler;
 using worker::LastBatch;
 using worker::SamplerOptions;
 using worker::SamplerPosition;
+using worker::SubsetDataset;
 using worker::TensorDataset;
 using worker::TokenWindowDataset;
 }  // namespace fsdp

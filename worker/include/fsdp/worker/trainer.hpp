@@ -55,6 +55,7 @@ struct TrainerOptions {
   LastBatch lastBatch = LastBatch::kPartial;
   std::int64_t evalBatch = 0;    // examples per evaluation step over all ranks (0: 4 x globalBatch)
   bool evaluateEveryEpoch = true;
+  std::int64_t evalEvery = 0;    // also evaluate every N steps (0: epochs and the end only)
   bool accuracy = false;         // classification: count argmax(output, 1) == target
   int logEvery = 50;             // steps between metric lines (and plain progress lines)
   std::string metricsFile;       // JSONL written by rank 0 (appended to when resuming)
