@@ -114,6 +114,11 @@ int main(int argc, char** argv) {
        "d=768, FULL_SHARD 2 ranks vs one process, per-rank peak RSS ratio",
        {"model", "steps", "batch_size", "strategies"},
        fsdpTrain},
+      {"accuracy",
+       "mnist test accuracy after --epochs (1) of the recipe (Adam 1e-3, batch 256, dropout): FSDP "
+       "FULL_SHARD 2 ranks vs one PyTorch process (--model deep|shallow)",
+       {"model", "epochs"},
+       accuracy},
       {"collectives",
        "all-gather / reduce-scatter / all-reduce on 2 ranks, our Gloo communicator vs "
        "torch.distributed Gloo (--mb 1,16,128 --reps 5)",

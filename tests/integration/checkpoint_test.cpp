@@ -6,10 +6,12 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
+#include <sstream>
 #include <thread>
 
 #include "fsdp/common/process.hpp"
@@ -184,6 +186,53 @@ TEST(CheckpointSave, SigkillAtRandomPointsOfSavesNeverLeavesAnUnloadableNewestCh
     const auto inspect = runCommand({kBin + "/fsdp-ckpt", "inspect", dir.path()}, 60s);
     EXPECT_EQ(inspect.exitCode, 0) << "trial " << trial << ": " << inspect.err;
   }
+}
+
+// Slurm's warning before the time limit (`--signal=USR1@90`) reaches fsdprun, which forwards
+// it; every rank checkpoints after the step in progress and trains on.
+TEST(CheckpointSave, SigusrOneToTheLauncherMakesEveryRankCheckpointAndGoOn) {
+  if (!haveData()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  TempDir dir;
+  const std::string metrics = dir.path() + "/metrics.jsonl";
+  fsdp::SpawnOptions options{.argv = {kBin + "/fsdprun", "--nproc_per_node", "2", kBin + "/mnist", "--max_steps",
+                                      "100000", "--checkpoint_dir", dir.path() + "/ckpt", "--no_eval", "--log_every",
+                                      "2", "--metrics_file", metrics, "--progress", "lines"},
+                             .env = fsdp::currentEnvironment(),
+                             .deathSignal = 0};
+  options.stdoutPath = dir.path() + "/out";
+  options.stderrPath = dir.path() + "/err";
+  auto launcher = fsdp::ChildProcess::spawn(options);
+  const auto waitFor = [&](const std::function<bool()>& done) {
+    const auto deadline = std::chrono::steady_clock::now() + 180s;
+    while (!done() && std::chrono::steady_clock::now() < deadline && !launcher.tryWait()) {
+      std::this_thread::sleep_for(50ms);  // files are the only signal there is
+    }
+    return done();
+  };
+  ASSERT_TRUE(waitFor([&] { return readFile(metrics).find("\"step\":4") != std::string::npos; }))
+      << readFile(dir.path() + "/err");
+  ::kill(launcher.pid(), SIGUSR1);
+  ASSERT_TRUE(waitFor([&] { return newestStep(dir.path() + "/ckpt") > 0; })) << readFile(dir.path() + "/err");
+  const long long saved = newestStep(dir.path() + "/ckpt");
+  // It trains on after the checkpoint.
+  const auto lastStep = [&] {
+    long long last = 0;
+    std::istringstream lines(readFile(metrics));
+    std::string line;
+    while (std::getline(lines, line)) {
+      const auto j = nlohmann::json::parse(line, nullptr, false);
+      if (j.is_object() && j.contains("step")) last = std::max(last, j["step"].get<long long>());
+    }
+    return last;
+  };
+  EXPECT_TRUE(waitFor([&] { return lastStep() >= saved + 4; })) << lastStep() << " " << saved;
+  ::kill(launcher.pid(), SIGTERM);
+  const auto status = launcher.waitFor(60s);
+  ASSERT_TRUE(status.has_value());
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 128 + SIGTERM) << fsdp::describeWaitStatus(*status);
+  EXPECT_NE(readFile(dir.path() + "/out").find("checkpoint requested by signal 10: saving step " + std::to_string(saved)),
+            std::string::npos);
+  EXPECT_EQ(runCommand({kBin + "/fsdp-ckpt", "inspect", dir.path() + "/ckpt"}, 60s).exitCode, 0);
 }
 
 TEST(FullCheckpoint, ConsolidatedLoadsInPythonAndGivesTheSameTestAccuracy) {

@@ -1,12 +1,14 @@
 #include "fsdp/worker/trainer.hpp"
 
 #include <ATen/Functions.h>
+#include <signal.h>
 #include <sys/resource.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/optimizer.h>
 #include <torch/utils.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -52,6 +54,40 @@ std::string rate(double v) {
   }
   return text;
 }
+
+// Set by the checkpoint signal's handler. A signal handler can only reach a global; a lock-free
+// atomic is async-signal-safe.
+std::atomic<bool> gCheckpointRequested{false};
+static_assert(std::atomic<bool>::is_always_lock_free);
+
+extern "C" void onCheckpointSignal(int) { gCheckpointRequested.store(true); }
+
+// Installs the handler for the run when the signal is at its default; restores it afterwards.
+class CheckpointSignal {
+ public:
+  explicit CheckpointSignal(int sig) : sig_(sig) {
+    if (sig_ <= 0) return;
+    struct sigaction current {};
+    if (::sigaction(sig_, nullptr, &current) != 0 || current.sa_handler != SIG_DFL) return;
+    struct sigaction handler {};
+    handler.sa_handler = onCheckpointSignal;
+    handler.sa_flags = SA_RESTART;
+    sigemptyset(&handler.sa_mask);
+    installed_ = ::sigaction(sig_, &handler, &previous_) == 0;
+    gCheckpointRequested.store(false);
+  }
+  ~CheckpointSignal() {
+    if (installed_) ::sigaction(sig_, &previous_, nullptr);
+  }
+  CheckpointSignal(const CheckpointSignal&) = delete;
+  CheckpointSignal& operator=(const CheckpointSignal&) = delete;
+  bool installed() const { return installed_; }
+
+ private:
+  int sig_;
+  bool installed_ = false;
+  struct sigaction previous_ {};
+};
 
 // Whole lines on stdout in one write (ranks share the console).
 void emitLine(const std::string& text) {
@@ -251,6 +287,7 @@ FitResult Trainer::fit(const Dataset& train, const Dataset* eval) {
   double lastLr = 0;
   std::int64_t lastEvalStep = -1;
   d.model->train();
+  const CheckpointSignal checkpointSignal(d.checkpointer ? o.checkpointSignal : 0);
   {
     DataLoader loader(train, sampler, position, o.prefetch);
     int epoch = position.epoch;
@@ -374,9 +411,17 @@ FitResult Trainer::fit(const Dataset& train, const Dataset* eval) {
         evaluateEpoch(epoch);
         lastEvalStep = step;
       }
-      if (d.checkpointer && o.checkpointEvery > 0 && step % o.checkpointEvery == 0) {
-        checkpoint(sampler.next(item.position));
+      bool save = d.checkpointer && o.checkpointEvery > 0 && step % o.checkpointEvery == 0;
+      if (checkpointSignal.installed()) {
+        // The signal reaches the ranks at different steps: they agree on it after each step.
+        const bool requested = gCheckpointRequested.exchange(false);
+        if (d.reduce({requested ? 1.0 : 0.0}, ReduceOp::kMax)[0] > 0) {
+          d.printLine("checkpoint requested by signal " + std::to_string(o.checkpointSignal) + ": saving step " +
+                      std::to_string(step));
+          save = true;
+        }
       }
+      if (save) checkpoint(sampler.next(item.position));
       position = sampler.next(item.position);
     }
     if (lastEvalStep != step) evaluateEpoch(std::min(epoch, o.epochs - 1));

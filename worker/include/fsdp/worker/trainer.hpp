@@ -64,6 +64,10 @@ struct TrainerOptions {
   int checkpointEvery = 0;       // steps between checkpoints (0: only the last step)
   int keepCheckpoints = 3;
   bool asyncCheckpoint = false;
+  // With a checkpoint directory: this signal (Slurm's `--signal=USR1@90` warning before the
+  // time limit, forwarded by fsdprun) makes every rank checkpoint after the step in progress,
+  // then go on. 0: off. Installed only where the program left the signal at its default.
+  int checkpointSignal = 10;  // SIGUSR1
   int prefetch = 2;              // batches prepared ahead on the loader's thread
 };
 
