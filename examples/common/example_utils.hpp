@@ -5,8 +5,11 @@
 #include <span>
 #include <string>
 
+#include <CLI/CLI.hpp>
+
 #include "fsdp/common/sha256.hpp"
 #include "fsdp/worker/fsdp.hpp"
+#include "fsdp/worker/runtime.hpp"
 
 namespace fsdp::examples {
 
@@ -27,6 +30,26 @@ inline std::string paramsSha256(FullyShardedDataParallel& model) {
         std::span(static_cast<const float*>(t.data_ptr()), static_cast<std::size_t>(t.numel()))));
   }
   return hash.hexDigest();
+}
+
+// HYBRID_SHARD needs its two groups (this node's ranks; this local rank on every node): built
+// here when the options ask for it. The caller keeps them alive as long as the model.
+inline worker::HybridGroups hybridGroupsFor(Runtime& rt, FsdpOptions& options) {
+  worker::HybridGroups groups;
+  if (options.strategy == ShardingStrategy::kHybridShard) {
+    groups = worker::makeHybridGroups(rt);
+    options.shardGroup = groups.shard.get();
+    options.replicateGroup = groups.replicate.get();
+  }
+  return groups;
+}
+
+// --checkpoint_dir and --checkpoint_every, spelled alike in every example.
+inline void addCheckpointFlags(CLI::App& app, std::string& dir, int& every) {
+  app.add_option("--checkpoint_dir,--checkpoint-dir", dir,
+                 "Resume from the newest checkpoint here, and save checkpoints here");
+  app.add_option("--checkpoint_every,--checkpoint-every", every, "Steps between checkpoints (0 = only the last step)")
+      ->check(CLI::NonNegativeNumber);
 }
 
 }  // namespace fsdp::examples

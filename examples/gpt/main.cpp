@@ -143,12 +143,7 @@ int run(const Flags& f) {
                             .mixedPrecision = fsdp::MixedPrecision::parse(f.mixedPrecision),
                             .syncModuleStates = true,
                             .activationCheckpointing = f.checkpointing};
-  fsdp::worker::HybridGroups groups;
-  if (options.strategy == fsdp::ShardingStrategy::kHybridShard) {
-    groups = fsdp::worker::makeHybridGroups(*rt);
-    options.shardGroup = groups.shard.get();
-    options.replicateGroup = groups.replicate.get();
-  }
+  const auto groups = fsdp::examples::hybridGroupsFor(*rt, options);
   fsdp::FullyShardedDataParallel model(fsdp::examples::makeGpt(config), rt->comm(), options);
   std::int64_t numParams = 0;
   for (const auto& u : model->units()) numParams += u.numel;
@@ -243,11 +238,7 @@ int main(int argc, char** argv) {
   app.add_flag("--activation_checkpointing,--activation-checkpointing", f.checkpointing,
                "Recompute each block's forward during backward");
   app.add_option("--metrics_file,--metrics-file", f.metricsFile, "JSONL metrics written by rank 0");
-  app.add_option("--checkpoint_dir,--checkpoint-dir", f.checkpointDir,
-                 "Resume from the newest checkpoint here, and save checkpoints here");
-  app.add_option("--checkpoint_every,--checkpoint-every", f.checkpointEvery,
-                 "Steps between checkpoints (0 = only the last step)")
-      ->check(CLI::NonNegativeNumber);
+  fsdp::examples::addCheckpointFlags(app, f.checkpointDir, f.checkpointEvery);
   app.add_option("--grad_accumulation,--grad-accumulation", f.gradAccumulation, "Micro-batches per step")
       ->check(CLI::PositiveNumber);
   try {

@@ -82,12 +82,7 @@ int run(const Flags& flags) {
                             // this makes it a contract).
                             .syncModuleStates = true};
   if (flags.minParams > 0) options.autoWrap = fsdp::AutoWrapPolicy::minParams(flags.minParams);
-  fsdp::worker::HybridGroups groups;
-  if (options.strategy == fsdp::ShardingStrategy::kHybridShard) {
-    groups = fsdp::worker::makeHybridGroups(*rt);
-    options.shardGroup = groups.shard.get();
-    options.replicateGroup = groups.replicate.get();
-  }
+  const auto groups = fsdp::examples::hybridGroupsFor(*rt, options);
   fsdp::FullyShardedDataParallel model(makeModel(flags), rt->comm(), options);
   torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(flags.lr));
 
@@ -172,11 +167,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"no", "bf16", "fp16"}));
   app.add_flag("--no_dropout,--no-dropout", flags.noDropout, "Leave dropout out (benchmarks)");
   app.add_flag("--no_eval,--no-eval", flags.noEval, "Skip the test-set evaluation (benchmarks)");
-  app.add_option("--checkpoint_dir,--checkpoint-dir", flags.checkpointDir,
-                 "Resume from the newest checkpoint here, and save checkpoints here");
-  app.add_option("--checkpoint_every,--checkpoint-every", flags.checkpointEvery,
-                 "Steps between checkpoints (0 = only the last step)")
-      ->check(CLI::NonNegativeNumber);
+  fsdp::examples::addCheckpointFlags(app, flags.checkpointDir, flags.checkpointEvery);
   app.add_option("--keep_checkpoints,--keep-checkpoints", flags.keepCheckpoints, "Checkpoints kept (0 = all)")
       ->check(CLI::NonNegativeNumber);
   app.add_flag("--async_checkpoint,--async-checkpoint", flags.asyncCheckpoint,

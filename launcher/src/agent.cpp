@@ -283,10 +283,12 @@ void Agent::connect() {
       if (isStopSignal(sig)) throw StopRequested{sig};
     }
     if (deadline.expired()) {
+      const auto holder = plan_.embedded ? std::nullopt : portHolder(storePort_);
       throw ConfigError("--rdzv_endpoint " + endpointName() + ": unreachable after " +
                         std::to_string(elapsedMs(start)) + " ms (join_timeout " +
                         std::to_string(options_.rdzvConf.joinTimeout.count() / 1000.0).substr(0, 6) +
-                        " s; last error: " + lastError + ")");
+                        " s; last error: " + lastError + ")" +
+                        (holder ? "; the port is held by " + *holder : ""));
     }
   }
   address_ = !options_.localAddr.empty() ? options_.localAddr

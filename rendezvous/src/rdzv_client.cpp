@@ -14,7 +14,13 @@ std::unique_ptr<RendezvousClient> RendezvousClient::connect(const std::string& h
                                                             std::uint16_t port,
                                                             const ClientOptions& options) {
   auto connection = detail::Connection::open(host, port, options);
-  connection.completeHandshake(Deadline::after(options.connectTimeout));
+  try {
+    connection.completeHandshake(Deadline::after(options.connectTimeout));
+  } catch (const TimeoutError&) {
+    throw TimeoutError("rendezvous endpoint " + connection.endpoint() +
+                       " accepted the connection but did not answer fsdprun's handshake within " +
+                       std::to_string(options.connectTimeout.count()) + " ms (another service on that port?)");
+  }
   return std::unique_ptr<RendezvousClient>(
       new RendezvousClient(std::make_unique<detail::Connection>(std::move(connection))));
 }

@@ -216,17 +216,9 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{{"--tee", "5", "/bin/true"}, "--tee '5'"}));
 
 TEST(Launcher, ABusyMasterPortIsNamedWithItsHolderAndAFreeAlternative) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  ASSERT_EQ(::listen(fd, 4), 0);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  const std::string port = std::to_string(ntohs(addr.sin_port));
+  const fsdp::testing::SilentListener holder;
+  const std::string port = std::to_string(holder.port());
   const auto r = runCommand({kFsdprun, "--standalone", "--master_port", port, "/bin/true"}, 30s);
-  ::close(fd);
   EXPECT_EQ(r.exitCode, 2) << r.err;
   EXPECT_EQ(countOccurrences(r.err, "\n"), 1) << r.err;
   EXPECT_NE(r.err.find("--master_port " + port + ": the port is in use"), std::string::npos) << r.err;

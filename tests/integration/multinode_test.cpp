@@ -77,6 +77,24 @@ std::vector<std::string> withCommand(std::vector<std::string> args, std::vector<
   return args;
 }
 
+// Three agents of an elastic 2:3 job; node 0 hosts the rendezvous, so that the node a test kills
+// or freezes (1 or 2) does not take the server with it.
+std::vector<std::unique_ptr<Agent>> startThreeNodes(const TempDir& dir, int port, const std::string& runId,
+                                                    const std::string& conf, const std::vector<std::string>& command,
+                                                    const std::vector<std::string>& extraEnv = {}) {
+  std::vector<std::unique_ptr<Agent>> agents;
+  for (int node = 0; node < 3; ++node) {
+    agents.push_back(std::make_unique<Agent>(
+        dir, "agent" + std::to_string(node),
+        withCommand(jobArgs("2:3", port, runId, node,
+                            {"--nproc_per_node", "1", "--rdzv_conf",
+                             std::string(node == 0 ? "is_host=true," : "is_host=false,") + conf}),
+                    command),
+        extraEnv));
+  }
+  return agents;
+}
+
 TEST(MultiNode, TwoAgentsOfTwoWorkersTrainMnistAsOneJob) {
   if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist")) {
     GTEST_SKIP() << "dataset-fashion-mnist is not installed";
@@ -138,16 +156,8 @@ TEST(MultiNode, AWorkerKilledWithSigkillRestartsAllFourAndTheyFinish) {
 TEST(MultiNode, AnAgentKilledOutOfThreeLeavesTwoThatContinueWithASmallerWorld) {
   TempDir dir;
   const int port = fsdp::testing::freeLoopbackPort();
-  std::vector<std::unique_ptr<Agent>> agents;
-  for (int node = 0; node < 3; ++node) {
-    // Node 0 hosts the rendezvous: the one killed must not take the server with it.
-    agents.push_back(std::make_unique<Agent>(
-        dir, "agent" + std::to_string(node),
-        withCommand(jobArgs("2:3", port, "lose-node", node,
-                            {"--nproc_per_node", "1", "--rdzv_conf",
-                             node == 0 ? "is_host=true,last_call_timeout=30" : "is_host=false,last_call_timeout=30"}),
-                    {kWorker, "--expect_nodes", "0", "--pid_dir", dir.path(), "--sleep_if_world", "3", "120"})));
-  }
+  auto agents = startThreeNodes(dir, port, "lose-node", "last_call_timeout=30",
+                                {kWorker, "--expect_nodes", "0", "--pid_dir", dir.path(), "--sleep_if_world", "3", "120"});
   const auto pids = fsdp::testing::waitForPidFiles(dir.path(), {"0", "1", "2"}, 60s);
   ASSERT_EQ(pids.size(), 3u) << agents[0]->output() << agents[2]->output();
   const int victim = 2;  // not the host
@@ -168,16 +178,8 @@ TEST(MultiNode, AnAgentKilledOutOfThreeLeavesTwoThatContinueWithASmallerWorld) {
 TEST(MultiNode, AFrozenAgentIsDroppedAfterTheHeartbeatTimeoutAndTheOthersGoOn) {
   TempDir dir;
   const int port = fsdp::testing::freeLoopbackPort();
-  std::vector<std::unique_ptr<Agent>> agents;
-  for (int node = 0; node < 3; ++node) {
-    agents.push_back(std::make_unique<Agent>(
-        dir, "agent" + std::to_string(node),
-        withCommand(jobArgs("2:3", port, "freeze-node", node,
-                            {"--nproc_per_node", "1", "--rdzv_conf",
-                             std::string(node == 0 ? "is_host=true" : "is_host=false") +
-                                 ",heartbeat_interval=0.2,heartbeat_timeout=1,last_call_timeout=30"}),
-                    {kWorker, "--expect_nodes", "0", "--pid_dir", dir.path(), "--sleep_if_world", "3", "120"})));
-  }
+  auto agents = startThreeNodes(dir, port, "freeze-node", "heartbeat_interval=0.2,heartbeat_timeout=1,last_call_timeout=30",
+                                {kWorker, "--expect_nodes", "0", "--pid_dir", dir.path(), "--sleep_if_world", "3", "120"});
   const auto pids = fsdp::testing::waitForPidFiles(dir.path(), {"0", "1", "2"}, 60s);
   ASSERT_EQ(pids.size(), 3u) << agents[0]->output();
   const auto start = std::chrono::steady_clock::now();
@@ -285,22 +287,16 @@ TEST(MultiNode, AnUnreachableEndpointExitsTwoAfterTheJoinTimeoutNamingIt) {
 
 TEST(MultiNode, AForeignServiceOnTheEndpointIsNamedNotWaitedOnForever) {
   // Something that accepts connections and never answers (what hangs torchrun for good).
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  ASSERT_EQ(::listen(fd, 16), 0);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  const int port = ntohs(addr.sin_port);
+  const fsdp::testing::SilentListener foreign;
+  const int port = foreign.port();
   const auto r = fsdp::testing::runCommand(
       {kFsdprun, "--nnodes", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint",
        "127.0.0.1:" + std::to_string(port), "--rdzv_conf", "join_timeout=2", "/bin/true"},
       30s);
-  ::close(fd);
   EXPECT_EQ(r.exitCode, 2) << r.err;
   EXPECT_NE(r.err.find("127.0.0.1:" + std::to_string(port)), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("did not answer fsdprun's handshake"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("the port is held by pid " + std::to_string(::getpid())), std::string::npos) << r.err;
 }
 
 TEST(MultiNode, AgentsThatDisagreeOnTheNodeCountAreRefused) {
@@ -381,16 +377,9 @@ TEST(PytorchPrograms, ARoundAfterALostNodeStartsCleanInTheAgentsStore) {
   // round's store-based barrier counts 3 + 2 arrivals and never sees 2.
   TempDir dir;
   const int port = fsdp::testing::freeLoopbackPort();
-  std::vector<std::unique_ptr<Agent>> agents;
-  for (int node = 0; node < 3; ++node) {
-    agents.push_back(std::make_unique<Agent>(
-        dir, "agent" + std::to_string(node),
-        withCommand(jobArgs("2:3", port, "py-lost-node", node,
-                            {"--nproc_per_node", "1", "--rdzv_conf",
-                             node == 0 ? "is_host=true,last_call_timeout=30" : "is_host=false,last_call_timeout=30"}),
-                    {kPythonWorker, "--pid_dir", dir.path(), "--hang_if_world", "3", "120"}),
-        std::vector<std::string>{"PYTHON_EXEC=/usr/bin/python3"}));
-  }
+  auto agents = startThreeNodes(dir, port, "py-lost-node", "last_call_timeout=30",
+                                {kPythonWorker, "--pid_dir", dir.path(), "--hang_if_world", "3", "120"},
+                                {"PYTHON_EXEC=/usr/bin/python3"});
   const auto pids = fsdp::testing::waitForPidFiles(dir.path(), {"0", "1", "2"}, 60s);
   ASSERT_EQ(pids.size(), 3u) << agents[0]->output();
   agents[2]->signal(SIGKILL);

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <stdexcept>
 #include <thread>
 
 namespace fsdp::testing {
@@ -93,16 +94,33 @@ std::vector<int> processGroupMembers(int pgid) {
   return out;
 }
 
-int freeLoopbackPort() {
+namespace {
+// A TCP socket bound to 127.0.0.1 and a port the kernel chose; the port through `port`.
+int boundLoopbackSocket(int& port) {
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   socklen_t len = sizeof(addr);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    throw std::runtime_error("cannot bind a loopback socket");
+  }
+  port = ntohs(addr.sin_port);
+  return fd;
 }
+}  // namespace
+
+int freeLoopbackPort() {
+  int port = 0;
+  ::close(boundLoopbackSocket(port));
+  return port;
+}
+
+SilentListener::SilentListener() : fd_(boundLoopbackSocket(port_)) {
+  if (::listen(fd_, 16) != 0) throw std::runtime_error("listen on a loopback socket failed");
+}
+
+SilentListener::~SilentListener() { ::close(fd_); }
 
 }  // namespace fsdp::testing

@@ -24,4 +24,19 @@ std::vector<int> processGroupMembers(int pgid);
 // A TCP port free on 127.0.0.1 right now (bind to port 0, read it back).
 int freeLoopbackPort();
 
+// A listening socket on 127.0.0.1 that never accepts or answers: a foreign service holding a
+// port. Closed by the destructor.
+class SilentListener {
+ public:
+  SilentListener();
+  ~SilentListener();
+  SilentListener(const SilentListener&) = delete;
+  SilentListener& operator=(const SilentListener&) = delete;
+  int port() const { return port_; }
+
+ private:
+  int port_ = 0;  // before fd_: fd_'s initializer fills it
+  int fd_ = -1;
+};
+
 }  // namespace fsdp::testing

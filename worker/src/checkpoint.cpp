@@ -430,6 +430,33 @@ class Reader {
   std::map<int, std::unique_ptr<File>> files_;
 };
 
+// The module buffers rank 0 saved, by name.
+std::map<std::string, at::Tensor> readBuffers(Reader& reader, const Manifest& m) {
+  std::map<std::string, at::Tensor> buffers;
+  for (const auto& b : m.blocks.empty() ? std::vector<Block>{} : m.blocks[0]) {
+    if (!b.what.starts_with("buffer/")) continue;
+    const auto data = reader.block(0, b);
+    auto t = at::empty(b.shape, at::TensorOptions().dtype(parseDtype(b.dtype, m.path)));
+    std::memcpy(t.data_ptr(), data.data(), data.size());
+    buffers[b.what.substr(7)] = t;
+  }
+  return buffers;
+}
+
+// Writes a {name: tensor} pickle (what torch.load reads) through a temporary file and a rename.
+void writePickle(const c10::Dict<std::string, at::Tensor>& dict, const std::string& path) {
+  const auto bytes = torch::pickle_save(c10::IValue(dict));
+  const std::string tmp = path + ".tmp";
+  {
+    File out(tmp, O_WRONLY | O_CREAT | O_TRUNC);
+    out.writeAll(bytes.data(), bytes.size());
+    out.sync();
+  }
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  if (ec) throw Error("renaming " + tmp + " to " + path + ": " + ec.message());
+}
+
 // Checks that the model's parameters are the checkpoint's: the same names, shapes and dtypes.
 void checkModelFits(const Manifest& m, const ShardLayout& layout) {
   std::set<std::string> seen;
@@ -792,13 +819,7 @@ std::optional<TrainingProgress> Checkpointer::loadLatest(FullyShardedDataParalle
         states.emplace_back();
       }
     }
-    for (const auto& b : m.blocks.empty() ? std::vector<Block>{} : m.blocks[0]) {
-      if (!b.what.starts_with("buffer/")) continue;
-      const auto data = reader.block(0, b);
-      auto t = at::empty(b.shape, at::TensorOptions().dtype(parseDtype(b.dtype, path)));
-      std::memcpy(t.data_ptr(), data.data(), data.size());
-      buffers[b.what.substr(7)] = t;
-    }
+    buffers = readBuffers(reader, m);
     if (m.meta.at("world_size").get<int>() == runtime_.worldSize() && runtime_.rank() < m.files) {
       for (const auto& b : m.blocks[static_cast<std::size_t>(runtime_.rank())]) {
         if (b.what != "rng/cpu") continue;
@@ -862,16 +883,7 @@ void saveFullCheckpoint(Runtime& runtime, FullyShardedDataParallel& model, const
   });
   if (writer) {
     for (const auto& item : model->module()->named_buffers()) dict.insert(item.key(), item.value().to(at::kCPU).clone());
-    const auto bytes = torch::pickle_save(c10::IValue(dict));
-    const std::string tmp = path + ".tmp";
-    {
-      File out(tmp, O_WRONLY | O_CREAT | O_TRUNC);
-      out.writeAll(bytes.data(), bytes.size());
-      out.sync();
-    }
-    std::error_code ec;
-    fs::rename(tmp, path, ec);
-    if (ec) throw Error("checkpoint: renaming " + tmp + " to " + path + ": " + ec.message());
+    writePickle(dict, path);
   }
   runtime.comm().barrier().wait();
 }
@@ -930,23 +942,8 @@ void consolidateCheckpoint(const std::string& path, const std::string& outFile) 
     reader.paramRange(p, "param", 0, p.numel, static_cast<char*>(t.data_ptr()), t.element_size());
     dict.insert(name, t);
   }
-  for (const auto& b : m.blocks.empty() ? std::vector<Block>{} : m.blocks[0]) {
-    if (!b.what.starts_with("buffer/")) continue;
-    const auto data = reader.block(0, b);
-    auto t = at::empty(b.shape, at::TensorOptions().dtype(parseDtype(b.dtype, path)));
-    std::memcpy(t.data_ptr(), data.data(), data.size());
-    dict.insert(b.what.substr(7), t);
-  }
-  const auto bytes = torch::pickle_save(c10::IValue(dict));
-  const std::string tmp = outFile + ".tmp";
-  {
-    File out(tmp, O_WRONLY | O_CREAT | O_TRUNC);
-    out.writeAll(bytes.data(), bytes.size());
-    out.sync();
-  }
-  std::error_code ec;
-  fs::rename(tmp, outFile, ec);
-  if (ec) throw Error("renaming " + tmp + " to " + outFile + ": " + ec.message());
+  for (const auto& [name, tensor] : readBuffers(reader, m)) dict.insert(name, tensor);
+  writePickle(dict, outFile);
 }
 
 void reshardCheckpoint(const std::string& path, const std::string& outDir, int world) {
