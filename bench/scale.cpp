@@ -17,6 +17,7 @@
 #include <iostream>
 #include <latch>
 #include <map>
+#include <optional>
 #include <thread>
 
 #include "bench.hpp"
@@ -192,10 +193,13 @@ int rdzvJoinHelper(std::uint16_t port, int count, int total) {
   return 0;
 }
 
-// Hidden: one process's share of store_init clients, one thread each.
+// Hidden: one process's share of store_init clients, one thread each. A rank keeps its store
+// connection for the whole job, so each client holds its connection (and its thread) until
+// every client of this process has finished: closing and thread exit are not store init.
 int storeInitHelper(const std::string& server, std::uint16_t port, int count, int total) {
   raiseFdLimit();
   std::latch go(1);
+  std::latch finished(count);
   std::atomic<long long> first{std::numeric_limits<long long>::max()};
   std::atomic<long long> last{0};
   std::atomic<int> failures{0};
@@ -207,20 +211,22 @@ int storeInitHelper(const std::string& server, std::uint16_t port, int count, in
       long long expected = first.load();
       while (start < expected && !first.compare_exchange_weak(expected, start)) {
       }
+      std::unique_ptr<rendezvous::StoreClient> ours;
+      std::optional<c10d::TCPStore> theirs;
       try {
         if (server == "fsdprun") {
-          auto c = rendezvous::StoreClient::connect("127.0.0.1", port, {.connectTimeout = std::chrono::seconds(60), .timeout = std::chrono::seconds(120), .runId = "bench"});
+          ours = rendezvous::StoreClient::connect("127.0.0.1", port, {.connectTimeout = std::chrono::seconds(60), .timeout = std::chrono::seconds(120), .runId = "bench"});
           // One request: the server counts and answers everyone when the count reaches N.
-          c->addAndWait("init", 1, total, std::chrono::seconds(120));
+          ours->addAndWait("init", 1, total, std::chrono::seconds(120));
         } else {
           c10d::TCPStoreOptions o;
           o.port = port;
           o.isServer = false;
           o.waitWorkers = false;
           o.timeout = std::chrono::seconds(120);
-          c10d::TCPStore c("127.0.0.1", o);
-          if (c.add("init", 1) == total) c.set("init/done", {'1'});
-          c.wait({"init/done"});
+          theirs.emplace("127.0.0.1", o);
+          if (theirs->add("init", 1) == total) theirs->set("init/done", {'1'});
+          theirs->wait({"init/done"});
         }
       } catch (const std::exception& e) {
         ++failures;
@@ -230,6 +236,7 @@ int storeInitHelper(const std::string& server, std::uint16_t port, int count, in
       long long seen = last.load();
       while (end > seen && !last.compare_exchange_weak(seen, end)) {
       }
+      finished.arrive_and_wait();
     });
   }
   std::cout << "ready" << std::endl;

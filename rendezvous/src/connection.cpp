@@ -26,8 +26,8 @@ void pollUntil(int fd, short events, const Deadline& deadline, const std::string
   for (;;) {
     const auto left = deadline.remaining();
     if (left.count() <= 0 && deadline.expired()) {
-      throw TimeoutError("store " + what + ": no progress before the deadline (server " +
-                         endpoint + ")");
+      throw TimeoutError("store " + what + ": no progress before the deadline (server " + endpoint +
+                         ")");
     }
     pollfd pfd{fd, events, 0};
     const int r = ::poll(&pfd, 1, static_cast<int>(std::min<long long>(left.count(), 1 << 30)));
@@ -52,7 +52,6 @@ void sendAll(int fd, const std::vector<std::uint8_t>& bytes, const Deadline& dea
     }
   }
 }
-
 
 // One non-blocking connect to `addr`, bounded by `deadline`; the fd or -1 with `error` set.
 int connectTo(const sockaddr* addr, socklen_t len, int family, const Deadline& deadline,
@@ -94,7 +93,8 @@ int tryConnect(const std::string& host, std::uint16_t port, const Deadline& dead
   if (::inet_pton(AF_INET, host.c_str(), &numeric.sin_addr) == 1) {
     numeric.sin_family = AF_INET;
     numeric.sin_port = htons(port);
-    return connectTo(reinterpret_cast<const sockaddr*>(&numeric), sizeof(numeric), AF_INET, deadline, error);
+    return connectTo(reinterpret_cast<const sockaddr*>(&numeric), sizeof(numeric), AF_INET,
+                     deadline, error);
   }
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
@@ -128,7 +128,8 @@ Connection Connection::open(const ConnectParams& params) {
   int attempts = 0;
   for (;;) {
     ++attempts;
-    const int fd = tryConnect(params.host, params.port, deadline.min(Deadline::after(attemptTimeout)), error);
+    const int fd =
+        tryConnect(params.host, params.port, deadline.min(Deadline::after(attemptTimeout)), error);
     attemptTimeout = std::min(attemptTimeout * 2, std::chrono::milliseconds(2000));
     if (fd >= 0) {
       Connection connection(fd, endpoint, params.limits);
@@ -149,31 +150,47 @@ Connection Connection::open(const ConnectParams& params) {
 }
 
 Connection::Connection(Connection&& other) noexcept
-    : fd_(other.fd_), helloPending_(other.helloPending_), endpoint_(std::move(other.endpoint_)),
-      limits_(other.limits_), in_(std::move(other.in_)), start_(other.start_), end_(other.end_) {
+    : fd_(other.fd_),
+      helloPending_(other.helloPending_),
+      resetOnClose_(other.resetOnClose_),
+      unsentHello_(std::move(other.unsentHello_)),
+      endpoint_(std::move(other.endpoint_)),
+      limits_(other.limits_),
+      in_(std::move(other.in_)),
+      start_(other.start_),
+      end_(other.end_) {
   other.fd_ = -1;
 }
 
 Connection::~Connection() {
-  if (fd_ >= 0) ::close(fd_);
+  if (fd_ < 0) return;
+  if (resetOnClose_) {
+    // An abortive close (RST): see resetOnClose().
+    const linger abortive{1, 0};
+    ::setsockopt(fd_, SOL_SOCKET, SO_LINGER, &abortive, sizeof(abortive));
+  }
+  ::close(fd_);
 }
 
 void Connection::handshake(const ConnectParams& params, const Deadline& deadline) {
   // The nonce only matters to a token proof; a client without a token sends none.
   const std::string clientNonce = params.token.empty() ? std::string() : randomBytes(16);
-  send(encodeRequest({.op = Op::kHello, .keys = {params.runId}, .value = clientNonce}), deadline);
+  auto hello = encodeRequest({.op = Op::kHello, .keys = {params.runId}, .value = clientNonce});
   if (params.token.empty()) {
-    // Nothing to prove: the first request follows HELLO at once, and HELLO's reply is checked
-    // before that request's reply is read. Saves a round trip per connection, which is what
-    // thousands of ranks starting at once pay for.
+    // Nothing to prove: HELLO leaves with the first request, and its reply is checked before
+    // that request's reply is read. Saves a round trip and a segment per connection, which is
+    // what thousands of ranks starting at once pay for.
+    unsentHello_ = std::move(hello);
     helloPending_ = true;
     return;
   }
+  send(hello, deadline);
   auto [h, body] = readFrame(deadline);
   const Response reply = checkHelloReply(h, body);
   if (reply.number == 0) return;
   const auto mac = hmacSha256(params.token, authMessage(params.runId, clientNonce, reply.value));
-  call({.op = Op::kAuth, .value = std::string(reinterpret_cast<const char*>(mac.data()), mac.size())},
+  call({.op = Op::kAuth,
+        .value = std::string(reinterpret_cast<const char*>(mac.data()), mac.size())},
        deadline);
 }
 
@@ -186,7 +203,8 @@ Response Connection::checkHelloReply(const Header& h, const std::vector<std::uin
     throw Error("store HELLO failed on server " + endpoint_ + ": " + reply.value);
   }
   if (reply.number != 0 && helloPending_) {
-    throw ConfigError("store server " + endpoint_ + " requires a job token, and none was given "
+    throw ConfigError("store server " + endpoint_ +
+                      " requires a job token, and none was given "
                       "(FSDPRUN_TOKEN_FILE or --rdzv_conf token_file=...)");
   }
   return reply;
@@ -194,13 +212,21 @@ Response Connection::checkHelloReply(const Header& h, const std::vector<std::uin
 
 void Connection::completeHandshake(const Deadline& deadline) {
   if (!helloPending_) return;
+  if (!unsentHello_.empty()) send({}, deadline);
   auto [h, body] = readFrame(deadline);
   checkHelloReply(h, body);
   helloPending_ = false;
 }
 
 void Connection::send(const std::vector<std::uint8_t>& bytes, const Deadline& deadline) {
-  sendAll(fd_, bytes, deadline, endpoint_);
+  if (unsentHello_.empty()) {
+    sendAll(fd_, bytes, deadline, endpoint_);
+    return;
+  }
+  std::vector<std::uint8_t> both = std::move(unsentHello_);
+  unsentHello_.clear();
+  both.insert(both.end(), bytes.begin(), bytes.end());
+  sendAll(fd_, both, deadline, endpoint_);
 }
 
 std::pair<Header, std::vector<std::uint8_t>> Connection::receive(const Deadline& deadline) {
@@ -211,12 +237,14 @@ std::pair<Header, std::vector<std::uint8_t>> Connection::receive(const Deadline&
 void Connection::fill(std::size_t n, const Deadline& deadline) {
   if (end_ - start_ >= n) return;
   if (start_ > 0) {
-    std::copy(in_.begin() + static_cast<std::ptrdiff_t>(start_), in_.begin() + static_cast<std::ptrdiff_t>(end_),
-              in_.begin());
+    std::copy(in_.begin() + static_cast<std::ptrdiff_t>(start_),
+              in_.begin() + static_cast<std::ptrdiff_t>(end_), in_.begin());
     end_ -= start_;
     start_ = 0;
   }
-  if (in_.size() < std::max<std::size_t>(n, 4096)) in_.resize(std::max<std::size_t>(n, 4096));
+  // Replies are small: 512 bytes unless a frame needs more (4 KiB per rank is a page fault
+  // per rank, thousands of times over on a host that starts thousands of ranks).
+  if (in_.size() < std::max<std::size_t>(n, 512)) in_.resize(std::max<std::size_t>(n, 512));
   while (end_ < n) {
     // A reply is rarely there the instant after its request went out: wait first, then read
     // (one syscall fewer than a read that would fail with EAGAIN).
@@ -242,7 +270,8 @@ std::pair<Header, std::vector<std::uint8_t>> Connection::readFrame(const Deadlin
   start_ += kHeaderSize + h.bodyLength;
   if (start_ == end_) {
     start_ = end_ = 0;
-    if (in_.size() > (1u << 20)) in_.resize(4096);
+    if (in_.size() > (1u << 20))
+      std::vector<std::uint8_t>().swap(in_);  // give back a big frame's buffer
   }
   return {h, std::move(out)};
 }
@@ -256,7 +285,8 @@ Response Connection::call(const Request& request, const Deadline& deadline) {
   }
   Response resp = decodeResponse(body, limits_);
   if (resp.status == Status::kError) {
-    throw Error("store " + opName(request.op) + " failed on server " + endpoint_ + ": " + resp.value);
+    throw Error("store " + opName(request.op) + " failed on server " + endpoint_ + ": " +
+                resp.value);
   }
   return resp;
 }

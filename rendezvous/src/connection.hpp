@@ -30,7 +30,8 @@ class Connection {
   // request's, so "this server requires a token" surfaces there.
   static Connection open(const ConnectParams& params);
   // The same, from a public client's options.
-  static Connection open(const std::string& host, std::uint16_t port, const ClientOptions& options) {
+  static Connection open(const std::string& host, std::uint16_t port,
+                         const ClientOptions& options) {
     return open({.host = host,
                  .port = port,
                  .connectTimeout = options.connectTimeout,
@@ -48,8 +49,14 @@ class Connection {
   std::pair<Header, std::vector<std::uint8_t>> receive(const Deadline& deadline);
   // Sends a request and reads its response, checking that the reply is for `op`.
   Response call(const Request& request, const Deadline& deadline);
-  // Reads a pipelined HELLO reply now (for callers that poll fd() for pushed events).
+  // Sends a held HELLO and reads its reply now (for callers that poll fd() for pushed events).
   void completeHandshake(const Deadline& deadline);
+  // Ends the connection with a reset instead of the FIN handshake when it is destroyed: for
+  // clients whose every request has been answered, so that nothing either side sent can be
+  // lost. It spares both ends the closing handshake (a third of the server's work for a
+  // connection that makes one request) and the client a TIME_WAIT socket (an ephemeral port
+  // held for a minute, per rank, on hosts that start thousands).
+  void resetOnClose() { resetOnClose_ = true; }
   int fd() const { return fd_; }
   // Whether received bytes wait in the buffer (poll(fd) would not show them).
   bool buffered() const { return end_ > start_; }
@@ -62,7 +69,11 @@ class Connection {
   std::pair<Header, std::vector<std::uint8_t>> readFrame(const Deadline& deadline);
   Response checkHelloReply(const Header& h, const std::vector<std::uint8_t>& body);
   int fd_;
-  bool helloPending_ = false;  // HELLO sent, its reply not read yet (clients without a token)
+  bool helloPending_ = false;  // HELLO's reply not read yet (clients without a token)
+  bool resetOnClose_ = false;
+  // HELLO of a client without a token, not sent yet: it leaves with the first request, in the
+  // same segment (one send, one wake-up of the server instead of two).
+  std::vector<std::uint8_t> unsentHello_;
   std::string endpoint_;
   Limits limits_;
   void fill(std::size_t n, const Deadline& deadline);

@@ -1,6 +1,7 @@
 #include "fsdp/rendezvous/kv_store.hpp"
 
 #include <algorithm>
+#include <utility>
 
 #include "fsdp/common/env.hpp"
 #include "fsdp/common/error.hpp"
@@ -8,27 +9,54 @@
 namespace fsdp::rendezvous {
 
 void KvStore::set(const std::string& key, std::string value) {
+  write(key, std::move(value), ChangeKind::kUpdated);
+}
+
+void KvStore::write(const std::string& key, std::string value, ChangeKind ifPresent) {
   auto [it, inserted] = data_.try_emplace(key);
   if (inserted) {
     bytes_ += key.size();
+    if (!tombstones_.empty() && tombstones_.erase(key) > 0) tombstoneBytes_ -= key.size();
   } else {
-    bytes_ -= it->second.size();
+    bytes_ -= it->second.value.size();
   }
   bytes_ += value.size();
-  it->second = std::move(value);
+  it->second.revision = ++revision_;
+  if (observersByKey_.contains(key)) {
+    // Only observed keys pay for keeping the old value.
+    const std::string oldValue = std::exchange(it->second.value, std::move(value));
+    tell(inserted ? ChangeKind::kCreated : ifPresent, key, oldValue, it->second.value);
+  } else {
+    it->second.value = std::move(value);
+  }
+  notify(key);
+}
+
+// After a key left data_: its tombstone, its observers, its waiters.
+void KvStore::erased(const std::string& key, const std::string& oldValue) {
+  ++revision_;
+  if (tombstones_.size() >= kMaxTombstones || tombstoneBytes_ >= kMaxTombstoneBytes) {
+    // Forget every deletion at once (see changeSince): cheap, and rare.
+    tombstones_.clear();
+    tombstoneBytes_ = 0;
+    compactedRevision_ = revision_ - 1;
+  }
+  tombstones_[key] = revision_;
+  tombstoneBytes_ += key.size();
+  if (observersByKey_.contains(key)) tell(ChangeKind::kDeleted, key, oldValue, {});
   notify(key);
 }
 
 std::optional<std::string> KvStore::get(const std::string& key) const {
   const auto it = data_.find(key);
   if (it == data_.end()) return std::nullopt;
-  return it->second;
+  return it->second.value;
 }
 
 std::int64_t KvStore::add(const std::string& key, std::int64_t delta) {
   std::int64_t current = 0;
   if (const auto it = data_.find(key); it != data_.end()) {
-    const auto parsed = parseInt(it->second);
+    const auto parsed = parseInt(it->second.value);
     if (!parsed) throw ProtocolError("ADD on key '" + key + "' whose value is not an integer");
     current = *parsed;
   }
@@ -46,18 +74,18 @@ std::string KvStore::compareSet(const std::string& key, const std::string& expec
     set(key, desired);
     return desired;
   }
-  if (it->second == expected) {
+  if (it->second.value == expected) {
     set(key, desired);
     return desired;
   }
-  return it->second;
+  return it->second.value;
 }
 
 std::int64_t KvStore::append(const std::string& key, const std::string& suffix) {
   std::string value = get(key).value_or("");
   value += suffix;
   const auto size = static_cast<std::int64_t>(value.size());
-  set(key, std::move(value));
+  write(key, std::move(value), ChangeKind::kAppended);
   return size;
 }
 
@@ -68,30 +96,75 @@ bool KvStore::containsAll(const std::vector<std::string>& keys) const {
 std::vector<std::string> KvStore::keys() const {
   std::vector<std::string> out;
   out.reserve(data_.size());
-  for (const auto& [key, value] : data_) out.push_back(key);
+  for (const auto& [key, entry] : data_) out.push_back(key);
   return out;
 }
 
 bool KvStore::remove(const std::string& key) {
-  const auto it = data_.find(key);
-  if (it == data_.end()) return false;
-  bytes_ -= key.size() + it->second.size();
-  data_.erase(it);
+  auto node = data_.extract(key);
+  if (node.empty()) return false;
+  bytes_ -= key.size() + node.mapped().value.size();
+  erased(key, node.mapped().value);
   return true;
 }
 
 std::size_t KvStore::removePrefix(const std::string& prefix) {
-  std::size_t removed = 0;
-  for (auto it = data_.begin(); it != data_.end();) {
-    if (it->first.starts_with(prefix)) {
-      bytes_ -= it->first.size() + it->second.size();
-      it = data_.erase(it);
-      ++removed;
-    } else {
-      ++it;
-    }
+  std::vector<std::string> doomed;
+  for (const auto& [key, entry] : data_) {
+    if (key.starts_with(prefix)) doomed.push_back(key);
   }
-  return removed;
+  for (const auto& key : doomed) remove(key);
+  return doomed.size();
+}
+
+std::optional<KeyChange> KvStore::changeSince(const std::vector<std::string>& keys,
+                                              std::uint64_t since) const {
+  std::optional<KeyChange> first;
+  for (const auto& key : keys) {
+    std::uint64_t revision = 0;
+    const std::string* value = nullptr;
+    if (const auto it = data_.find(key); it != data_.end()) {
+      revision = it->second.revision;
+      value = &it->second.value;
+    } else if (const auto t = tombstones_.find(key); t != tombstones_.end()) {
+      revision = t->second;
+    } else if (since < compactedRevision_) {
+      revision = compactedRevision_;  // it may have been deleted in between: say it is gone
+    }
+    if (revision <= since || (first && first->revision <= revision)) continue;
+    first = KeyChange{key, value ? std::optional<std::string>(*value) : std::nullopt, revision};
+  }
+  return first;
+}
+
+KvStore::WatchId KvStore::observe(const std::string& key,
+                                  std::function<void(const KeyEvent&)> seen) {
+  const WatchId id = nextId_++;
+  observersByKey_[key].push_back(id);
+  observers_.emplace(id, Observer{key, std::move(seen)});
+  return id;
+}
+
+void KvStore::unobserve(WatchId id) {
+  const auto it = observers_.find(id);
+  if (it == observers_.end()) return;
+  if (const auto list = observersByKey_.find(it->second.key); list != observersByKey_.end()) {
+    std::erase(list->second, id);
+    if (list->second.empty()) observersByKey_.erase(list);
+  }
+  observers_.erase(it);
+}
+
+void KvStore::tell(ChangeKind kind, const std::string& key, std::string_view oldValue,
+                   std::string_view newValue) {
+  const auto list = observersByKey_.find(key);
+  if (list == observersByKey_.end()) return;
+  const KeyEvent event{kind, key, oldValue, newValue};
+  // A copy: an observer may be removed while the event is being told.
+  const std::vector<WatchId> ids = list->second;
+  for (const WatchId id : ids) {
+    if (const auto it = observers_.find(id); it != observers_.end()) it->second.seen(event);
+  }
 }
 
 KvStore::WatchId KvStore::watch(const std::vector<std::string>& keys, std::function<void()> fire) {
@@ -178,23 +251,38 @@ void KvStore::notify(const std::string& key) {
 std::optional<Response> StoreService::tryHandle(const Request& req) {
   Response resp;
   switch (req.op) {
-    case Op::kPing: break;
-    case Op::kSet: store_.set(req.keys[0], req.value); break;
+    case Op::kPing:
+      break;
+    case Op::kSet:
+      store_.set(req.keys[0], req.value);
+      break;
     case Op::kGet: {
       auto value = store_.get(req.keys[0]);
       if (!value) return std::nullopt;
       resp.value = std::move(*value);
       break;
     }
-    case Op::kAdd: resp.number = store_.add(req.keys[0], req.number); break;
-    case Op::kCheck: resp.number = store_.containsAll(req.keys) ? 1 : 0; break;
+    case Op::kAdd:
+      resp.number = store_.add(req.keys[0], req.number);
+      break;
+    case Op::kCheck:
+      resp.number = store_.containsAll(req.keys) ? 1 : 0;
+      break;
     case Op::kWait:
       if (!store_.containsAll(req.keys)) return std::nullopt;
       break;
-    case Op::kDelete: resp.number = store_.remove(req.keys[0]) ? 1 : 0; break;
-    case Op::kNumKeys: resp.number = static_cast<std::int64_t>(store_.size()); break;
-    case Op::kCompareSet: resp.value = store_.compareSet(req.keys[0], req.value, req.value2); break;
-    case Op::kAppend: resp.number = store_.append(req.keys[0], req.value); break;
+    case Op::kDelete:
+      resp.number = store_.remove(req.keys[0]) ? 1 : 0;
+      break;
+    case Op::kNumKeys:
+      resp.number = static_cast<std::int64_t>(store_.size());
+      break;
+    case Op::kCompareSet:
+      resp.value = store_.compareSet(req.keys[0], req.value, req.value2);
+      break;
+    case Op::kAppend:
+      resp.number = store_.append(req.keys[0], req.value);
+      break;
     case Op::kMultiGet:
       for (const auto& key : req.keys) {
         auto value = store_.get(key);
@@ -210,6 +298,26 @@ std::optional<Response> StoreService::tryHandle(const Request& req) {
     case Op::kMultiSet:
       for (std::size_t i = 0; i < req.keys.size(); ++i) store_.set(req.keys[i], req.values[i]);
       break;
+    case Op::kRevision:
+      resp.number = static_cast<std::int64_t>(store_.revision());
+      break;
+    case Op::kWatch: {
+      const auto since = static_cast<std::uint64_t>(req.number);
+      if (since > store_.revision()) {
+        // Revisions only grow: this client saw a store that is gone (an idle run dropped and
+        // begun again), and changes in between cannot be told. Say so rather than wait.
+        resp.status = Status::kError;
+        resp.value = "WATCH: revision " + std::to_string(since) + " is ahead of this run's (" +
+                     std::to_string(store_.revision()) + "): the run was dropped and begun again";
+        return resp;
+      }
+      auto change = store_.changeSince(req.keys, since);
+      if (!change) return std::nullopt;
+      resp.number = static_cast<std::int64_t>(change->revision);
+      resp.value = std::move(change->key);
+      if (change->value) resp.values.push_back(std::move(*change->value));
+      break;
+    }
     case Op::kHello:
     case Op::kAuth:
     case Op::kJoin:

@@ -78,15 +78,17 @@ class Reader {
   }
   void end() const {
     if (pos_ != in_.size()) {
-      throw ProtocolError(std::to_string(in_.size() - pos_) + " unexpected trailing bytes in frame");
+      throw ProtocolError(std::to_string(in_.size() - pos_) +
+                          " unexpected trailing bytes in frame");
     }
   }
 
  private:
   void need(std::size_t n) const {
     if (in_.size() - pos_ < n) {
-      throw ProtocolError("truncated frame: needed " + std::to_string(n) + " more bytes at offset " +
-                          std::to_string(pos_) + " of " + std::to_string(in_.size()));
+      throw ProtocolError("truncated frame: needed " + std::to_string(n) +
+                          " more bytes at offset " + std::to_string(pos_) + " of " +
+                          std::to_string(in_.size()));
     }
   }
   std::span<const std::uint8_t> in_;
@@ -116,27 +118,52 @@ std::string authMessage(const std::string& runId, const std::string& clientNonce
 
 std::string opName(Op op) {
   switch (op) {
-    case Op::kPing: return "PING";
-    case Op::kSet: return "SET";
-    case Op::kGet: return "GET";
-    case Op::kAdd: return "ADD";
-    case Op::kCheck: return "CHECK";
-    case Op::kWait: return "WAIT";
-    case Op::kDelete: return "DELETE";
-    case Op::kNumKeys: return "NUM_KEYS";
-    case Op::kCompareSet: return "COMPARE_SET";
-    case Op::kAppend: return "APPEND";
-    case Op::kMultiGet: return "MULTI_GET";
-    case Op::kMultiSet: return "MULTI_SET";
-    case Op::kHello: return "HELLO";
-    case Op::kAuth: return "AUTH";
-    case Op::kJoin: return "JOIN";
-    case Op::kHeartbeat: return "HEARTBEAT";
-    case Op::kEndRound: return "END_ROUND";
-    case Op::kCloseRun: return "CLOSE_RUN";
-    case Op::kEvent: return "EVENT";
-    case Op::kAddWait: return "ADD_WAIT";
-    case Op::kSucceeded: return "SUCCEEDED";
+    case Op::kPing:
+      return "PING";
+    case Op::kSet:
+      return "SET";
+    case Op::kGet:
+      return "GET";
+    case Op::kAdd:
+      return "ADD";
+    case Op::kCheck:
+      return "CHECK";
+    case Op::kWait:
+      return "WAIT";
+    case Op::kDelete:
+      return "DELETE";
+    case Op::kNumKeys:
+      return "NUM_KEYS";
+    case Op::kCompareSet:
+      return "COMPARE_SET";
+    case Op::kAppend:
+      return "APPEND";
+    case Op::kMultiGet:
+      return "MULTI_GET";
+    case Op::kMultiSet:
+      return "MULTI_SET";
+    case Op::kHello:
+      return "HELLO";
+    case Op::kAuth:
+      return "AUTH";
+    case Op::kJoin:
+      return "JOIN";
+    case Op::kHeartbeat:
+      return "HEARTBEAT";
+    case Op::kEndRound:
+      return "END_ROUND";
+    case Op::kCloseRun:
+      return "CLOSE_RUN";
+    case Op::kEvent:
+      return "EVENT";
+    case Op::kAddWait:
+      return "ADD_WAIT";
+    case Op::kSucceeded:
+      return "SUCCEEDED";
+    case Op::kWatch:
+      return "WATCH";
+    case Op::kRevision:
+      return "REVISION";
   }
   return "op " + std::to_string(static_cast<int>(op));
 }
@@ -151,8 +178,8 @@ Header decodeHeader(std::span<const std::uint8_t> bytes, const Limits& limits) {
   if (magic != kMagic) throw ProtocolError("bad frame magic " + std::to_string(magic));
   const auto version = r.u8();
   if (version != kVersion) {
-    throw ProtocolError("unsupported protocol version " + std::to_string(version) + " (server speaks " +
-                        std::to_string(kVersion) + ")");
+    throw ProtocolError("unsupported protocol version " + std::to_string(version) +
+                        " (server speaks " + std::to_string(kVersion) + ")");
   }
   const auto op = r.u8();
   if (op > kMaxOp) throw ProtocolError("unknown op " + std::to_string(op));
@@ -206,14 +233,20 @@ Request decodeRequest(Op op, std::span<const std::uint8_t> body, const Limits& l
     case Op::kCompareSet:
     case Op::kAppend:
     case Op::kHello:
-    case Op::kAddWait: needKeys(1); break;
+    case Op::kAddWait:
+      needKeys(1);
+      break;
     case Op::kMultiSet:
       if (req.values.size() != req.keys.size()) {
         throw ProtocolError("MULTI_SET with " + std::to_string(req.keys.size()) + " keys and " +
                             std::to_string(req.values.size()) + " values");
       }
       break;
+    case Op::kWatch:
+      if (req.keys.empty()) throw ProtocolError("WATCH needs at least one key");
+      break;
     case Op::kPing:
+    case Op::kRevision:
     case Op::kNumKeys:
     case Op::kCheck:
     case Op::kWait:
@@ -224,7 +257,8 @@ Request decodeRequest(Op op, std::span<const std::uint8_t> body, const Limits& l
     case Op::kEndRound:
     case Op::kCloseRun:
     case Op::kSucceeded:
-    case Op::kEvent: break;
+    case Op::kEvent:
+      break;
   }
   return req;
 }

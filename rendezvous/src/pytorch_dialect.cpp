@@ -5,6 +5,7 @@
 
 #include <memory>
 #include <optional>
+#include <string_view>
 
 #include "fsdp/common/error.hpp"
 #include "fsdp/common/log.hpp"
@@ -22,31 +23,54 @@ constexpr std::uint32_t kValidateMagic = 0x3C85F7CE;
 
 // The operations, independent of a dialect's numbering.
 enum class PtOp {
-  kSet, kCompareSet, kGet, kAdd, kCheck, kWait, kNumKeys, kWatchKey, kDelete, kAppend,
-  kMultiGet, kMultiSet, kCancelWait, kPing, kQueuePush, kQueuePop, kQueueLen, kListKeys
+  kSet,
+  kCompareSet,
+  kGet,
+  kAdd,
+  kCheck,
+  kWait,
+  kNumKeys,
+  kWatchKey,
+  kDelete,
+  kAppend,
+  kMultiGet,
+  kMultiSet,
+  kCancelWait,
+  kPing,
+  kQueuePush,
+  kQueuePop,
+  kQueueLen,
+  kListKeys
 };
 
 std::optional<PtOp> legacyOp(std::uint8_t code) {
   // 1.13 (0-8) and the 2.0-era additions (9-12) that kept its numbering.
-  static constexpr PtOp kTable[] = {PtOp::kSet,     PtOp::kCompareSet, PtOp::kGet,
-                                    PtOp::kAdd,     PtOp::kCheck,      PtOp::kWait,
-                                    PtOp::kNumKeys, PtOp::kWatchKey,   PtOp::kDelete,
-                                    PtOp::kAppend,  PtOp::kMultiGet,   PtOp::kMultiSet,
-                                    PtOp::kCancelWait};
+  static constexpr PtOp kTable[] = {
+      PtOp::kSet,      PtOp::kCompareSet, PtOp::kGet,       PtOp::kAdd,    PtOp::kCheck,
+      PtOp::kWait,     PtOp::kNumKeys,    PtOp::kWatchKey,  PtOp::kDelete, PtOp::kAppend,
+      PtOp::kMultiGet, PtOp::kMultiSet,   PtOp::kCancelWait};
   if (code < std::size(kTable)) return kTable[code];
   return std::nullopt;
 }
 
 std::optional<PtOp> currentOp(std::uint8_t code) {
-  static constexpr PtOp kTable[] = {PtOp::kSet,        PtOp::kCompareSet, PtOp::kGet,
-                                    PtOp::kAdd,        PtOp::kCheck,      PtOp::kWait,
-                                    PtOp::kNumKeys,    PtOp::kDelete,     PtOp::kAppend,
-                                    PtOp::kMultiGet,   PtOp::kMultiSet,   PtOp::kCancelWait,
-                                    PtOp::kPing,       PtOp::kQueuePush,  PtOp::kQueuePop,
-                                    PtOp::kQueueLen,   PtOp::kListKeys};
+  static constexpr PtOp kTable[] = {
+      PtOp::kSet,      PtOp::kCompareSet, PtOp::kGet,    PtOp::kAdd,       PtOp::kCheck,
+      PtOp::kWait,     PtOp::kNumKeys,    PtOp::kDelete, PtOp::kAppend,    PtOp::kMultiGet,
+      PtOp::kMultiSet, PtOp::kCancelWait, PtOp::kPing,   PtOp::kQueuePush, PtOp::kQueuePop,
+      PtOp::kQueueLen, PtOp::kListKeys};
   if (code >= 1 && code - 1 < static_cast<int>(std::size(kTable))) return kTable[code - 1];
   return std::nullopt;
 }
+
+// c10d's WatchResponseType, the first byte of everything sent on a watching connection.
+enum class WatchReply : std::uint8_t {
+  kKeyUpdated = 0,
+  kKeyCreated = 1,
+  kKeyDeleted = 2,
+  kKeyCallbackRegistered = 3,  // the answer to WATCH_KEY itself
+  kKeyAppended = 4,
+};
 
 class Writer {
  public:
@@ -54,7 +78,7 @@ class Writer {
   void u64(std::uint64_t v) {
     for (int i = 0; i < 8; ++i) out_.push_back(static_cast<std::uint8_t>(v >> (8 * i)));
   }
-  void str(const std::string& s) {
+  void str(std::string_view s) {
     u64(s.size());
     out_.insert(out_.end(), s.begin(), s.end());
   }
@@ -70,7 +94,9 @@ class FieldReader {
   FieldReader(tcp::socket& socket, const Limits& limits) : socket_(socket), limits_(limits) {}
   void startRequest(SteadyTimePoint deadline) { deadline_ = deadline; }
   // Bytes already read off the socket, served before it (in front of what is pending).
-  void pushBack(const std::vector<std::uint8_t>& bytes) { pending_.insert(pending_.begin(), bytes.begin(), bytes.end()); }
+  void pushBack(const std::vector<std::uint8_t>& bytes) {
+    pending_.insert(pending_.begin(), bytes.begin(), bytes.end());
+  }
   bool hasPending() const { return !pending_.empty(); }
   // The next request's opcode: may wait without a deadline (an idle connection is fine).
   awaitable<std::uint8_t> opcode() {
@@ -88,7 +114,10 @@ class FieldReader {
     std::size_t taken = std::min(n, pending_.size());
     std::copy_n(pending_.begin(), taken, out);
     pending_.erase(pending_.begin(), pending_.begin() + static_cast<std::ptrdiff_t>(taken));
-    if (taken < n) co_await readExact(socket_, asio::buffer(out + taken, n - taken), deadline_, "a TCPStore request");
+    if (taken < n) {
+      co_await readExact(socket_, asio::buffer(out + taken, n - taken), deadline_,
+                         "a TCPStore request");
+    }
   }
   awaitable<std::uint64_t> u64() {
     std::array<std::uint8_t, 8> b{};
@@ -119,7 +148,8 @@ class FieldReader {
     const auto n = co_await u64();
     if (n > limits_.maxKeysPerRequest) {
       throw ProtocolError("TCPStore request with " + std::to_string(n) +
-                          " keys exceeds the limit of " + std::to_string(limits_.maxKeysPerRequest));
+                          " keys exceeds the limit of " +
+                          std::to_string(limits_.maxKeysPerRequest));
     }
     std::vector<std::string> out;
     for (std::uint64_t i = 0; i < n; ++i) out.push_back(co_await key());
@@ -144,7 +174,41 @@ struct ConnectionState {
   std::function<void(std::vector<std::uint8_t>)> send;
   std::optional<PendingWait> wait;
   bool alive = true;
+  std::vector<KvStore::WatchId> observers;  // WATCH_KEY registrations, until the connection ends
 };
+
+// What c10d's server sends a watcher when a key changes: the change type, the key, the old
+// and the new value, each with a u64 length. As c10d's server does: a created key has no old
+// value, a deleted one no new value, and an append carries only what was appended
+// (KEY_APPENDED, since 2.0; a 1.13 client reads it as an update).
+std::vector<std::uint8_t> watchUpdate(const KeyEvent& event) {
+  Writer out;
+  std::string_view oldValue = event.oldValue;
+  std::string_view newValue = event.newValue;
+  WatchReply type = WatchReply::kKeyUpdated;
+  switch (event.kind) {
+    case ChangeKind::kCreated:
+      type = WatchReply::kKeyCreated;
+      oldValue = {};
+      break;
+    case ChangeKind::kUpdated:
+      break;
+    case ChangeKind::kDeleted:
+      type = WatchReply::kKeyDeleted;
+      newValue = {};
+      break;
+    case ChangeKind::kAppended:
+      type = WatchReply::kKeyAppended;
+      newValue = newValue.substr(std::min(newValue.size(), oldValue.size()));
+      oldValue = {};
+      break;
+  }
+  out.u8(static_cast<std::uint8_t>(type));
+  out.str(event.key);
+  out.str(oldValue);
+  out.str(newValue);
+  return out.take();
+}
 
 void cancelWait(ConnectionState& state) {
   if (state.wait) {
@@ -181,8 +245,9 @@ void checkRunBytes(const KvStore& store, const Limits& limits, std::uint64_t add
 
 }  // namespace
 
-awaitable<void> servePytorchDialect(tcp::socket& socket, std::vector<std::uint8_t> initial, KvStore& store,
-                                    const Limits& limits, std::chrono::milliseconds frameTimeout,
+awaitable<void> servePytorchDialect(tcp::socket& socket, std::vector<std::uint8_t> initial,
+                                    KvStore& store, const Limits& limits,
+                                    std::chrono::milliseconds frameTimeout,
                                     const std::function<bool()>& closed,
                                     const std::function<void(std::vector<std::uint8_t>)>& send) {
   FieldReader in(socket, limits);
@@ -194,6 +259,7 @@ awaitable<void> servePytorchDialect(tcp::socket& socket, std::vector<std::uint8_
     ~Finish() {
       state->alive = false;
       cancelWait(*state);
+      for (const auto id : state->observers) state->store.unobserve(id);
     }
   } finish{state};
   const auto executor = socket.get_executor();
@@ -252,10 +318,13 @@ awaitable<void> servePytorchDialect(tcp::socket& socket, std::vector<std::uint8_
         break;
       }
       case PtOp::kGet: {
+        // A client WAITs before it GETs, so a missing key means it was deleted in between.
+        // c10d's 1.13 server closes the connection then; 2.x's default (libuv) server answers
+        // an empty value.
         const auto key = co_await in.key();
         const auto value = store.get(key);
-        if (!value) throw ProtocolError("TCPStore GET of missing key '" + key + "'");
-        out.str(*value);
+        if (!value && !current) throw ProtocolError("TCPStore GET of missing key '" + key + "'");
+        out.str(value.value_or(""));
         break;
       }
       case PtOp::kAdd: {
@@ -264,7 +333,9 @@ awaitable<void> servePytorchDialect(tcp::socket& socket, std::vector<std::uint8_
         out.u64(static_cast<std::uint64_t>(store.add(key, delta)));
         break;
       }
-      case PtOp::kCheck: out.u8(store.containsAll(co_await in.keys()) ? 0 : 1); break;
+      case PtOp::kCheck:
+        out.u8(store.containsAll(co_await in.keys()) ? 0 : 1);
+        break;
       case PtOp::kWait: {
         auto keys = co_await in.keys();
         if (store.containsAll(keys)) {
@@ -275,8 +346,12 @@ awaitable<void> servePytorchDialect(tcp::socket& socket, std::vector<std::uint8_
         }
         break;
       }
-      case PtOp::kNumKeys: out.u64(store.size()); break;
-      case PtOp::kDelete: out.u64(store.remove(co_await in.key()) ? 1 : 0); break;
+      case PtOp::kNumKeys:
+        out.u64(store.size());
+        break;
+      case PtOp::kDelete:
+        out.u64(store.remove(co_await in.key()) ? 1 : 0);
+        break;
       case PtOp::kAppend: {
         const auto key = co_await in.key();
         const auto suffix = co_await in.value();
@@ -288,15 +363,18 @@ awaitable<void> servePytorchDialect(tcp::socket& socket, std::vector<std::uint8_
         const auto keys = co_await in.keys();
         for (const auto& key : keys) {
           const auto value = store.get(key);
-          if (!value) throw ProtocolError("TCPStore MULTI_GET of missing key '" + key + "'");
-          out.str(*value);
+          if (!value && !current) {
+            throw ProtocolError("TCPStore MULTI_GET of missing key '" + key + "'");
+          }
+          out.str(value.value_or(""));  // as for GET
         }
         break;
       }
       case PtOp::kMultiSet: {
         const auto n = co_await in.u64();
         if (n > limits.maxKeysPerRequest) {
-          throw ProtocolError("TCPStore MULTI_SET of " + std::to_string(n) + " pairs exceeds the limit");
+          throw ProtocolError("TCPStore MULTI_SET of " + std::to_string(n) +
+                              " pairs exceeds the limit");
         }
         for (std::uint64_t i = 0; i < n; ++i) {
           auto key = co_await in.key();
@@ -321,12 +399,28 @@ awaitable<void> servePytorchDialect(tcp::socket& socket, std::vector<std::uint8_
         for (const auto& key : keys) out.str(key);
         break;
       }
-      case PtOp::kWatchKey:
+      case PtOp::kWatchKey: {
+        // 1.13's TCPStore::watchKey, on its second ("callback") connection: every later change
+        // of the key is pushed on this connection until it closes, as c10d's server does (a
+        // key watched twice is told twice).
+        const auto key = co_await in.key();
+        if (state->observers.size() >= limits.maxKeysPerRequest) {
+          throw ProtocolError("TCPStore client watches more than " +
+                              std::to_string(limits.maxKeysPerRequest) + " keys on one connection");
+        }
+        std::weak_ptr<ConnectionState> weak = state;
+        state->observers.push_back(store.observe(key, [weak](const KeyEvent& event) {
+          const auto s = weak.lock();
+          if (s && s->alive) s->send(watchUpdate(event));
+        }));
+        out.u8(static_cast<std::uint8_t>(WatchReply::kKeyCallbackRegistered));
+        break;
+      }
       case PtOp::kQueuePush:
       case PtOp::kQueuePop:
       case PtOp::kQueueLen:
         throw ProtocolError("TCPStore opcode " + std::to_string(code) +
-                            " (watch_key / queues) is not supported by this server");
+                            " (queues) is not supported by this server");
     }
     auto reply = out.take();
     if (!reply.empty()) send(std::move(reply));

@@ -12,14 +12,20 @@ namespace fsdp::rendezvous {
 std::unique_ptr<StoreClient> StoreClient::connect(const std::string& host, std::uint16_t port,
                                                   ClientOptions options) {
   auto connection = detail::Connection::open(host, port, options);
-  return std::unique_ptr<StoreClient>(
-      new StoreClient(std::make_unique<detail::Connection>(std::move(connection)), std::move(options)));
+  return std::unique_ptr<StoreClient>(new StoreClient(
+      std::make_unique<detail::Connection>(std::move(connection)), std::move(options)));
 }
 
 StoreClient::StoreClient(std::unique_ptr<detail::Connection> connection, ClientOptions options)
-    : connection_(std::move(connection)), endpoint_(connection_->endpoint()), options_(std::move(options)) {}
+    : connection_(std::move(connection)),
+      endpoint_(connection_->endpoint()),
+      options_(std::move(options)) {}
 
-StoreClient::~StoreClient() = default;
+StoreClient::~StoreClient() {
+  // Every request of ours has a reply, and the caller had it (or gave up on it): nothing the
+  // server must still read is lost by a reset, and it saves both ends the closing handshake.
+  connection_->resetOnClose();
+}
 
 Response StoreClient::call(Request request, std::chrono::milliseconds waitTimeout) {
   request.timeoutMs = static_cast<std::uint32_t>(
@@ -52,12 +58,13 @@ std::int64_t StoreClient::add(const std::string& key, std::int64_t delta) {
 
 std::int64_t StoreClient::addAndWait(const std::string& key, std::int64_t delta,
                                      std::int64_t target, std::chrono::milliseconds timeout) {
-  const Response resp = call({.op = Op::kAddWait, .keys = {key}, .value = std::to_string(target), .number = delta},
-                             timeout);
+  const Response resp =
+      call({.op = Op::kAddWait, .keys = {key}, .value = std::to_string(target), .number = delta},
+           timeout);
   if (resp.status == Status::kTimeout) {
     throw TimeoutError("store.addAndWait: counter [" + key + "] at " + std::to_string(resp.number) +
-                       " of " + std::to_string(target) + " after " + std::to_string(timeout.count()) +
-                       " ms (server " + endpoint_ + ")");
+                       " of " + std::to_string(target) + " after " +
+                       std::to_string(timeout.count()) + " ms (server " + endpoint_ + ")");
   }
   return resp.number;
 }
@@ -106,5 +113,26 @@ void StoreClient::multiSet(const std::vector<std::string>& keys,
 }
 
 void StoreClient::ping() { call({.op = Op::kPing}, std::chrono::milliseconds(0)); }
+
+std::uint64_t StoreClient::revision() {
+  return static_cast<std::uint64_t>(
+      call({.op = Op::kRevision}, std::chrono::milliseconds(0)).number);
+}
+
+std::optional<KeyChange> StoreClient::waitForChange(const std::vector<std::string>& keys,
+                                                    std::uint64_t since,
+                                                    std::chrono::milliseconds timeout) {
+  if (keys.empty()) throw Error("store.waitForChange: no keys to watch (server " + endpoint_ + ")");
+  Response resp =
+      call({.op = Op::kWatch, .keys = keys, .number = static_cast<std::int64_t>(since)}, timeout);
+  if (resp.status == Status::kTimeout) return std::nullopt;
+  if (resp.values.size() > 1) {
+    throw ProtocolError("store server " + endpoint_ + " answered WATCH with " +
+                        std::to_string(resp.values.size()) + " values");
+  }
+  KeyChange change{std::move(resp.value), std::nullopt, static_cast<std::uint64_t>(resp.number)};
+  if (!resp.values.empty()) change.value = std::move(resp.values.front());
+  return change;
+}
 
 }  // namespace fsdp::rendezvous

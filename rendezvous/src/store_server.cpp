@@ -2,7 +2,6 @@
 
 #include <boost/asio.hpp>
 #include <boost/asio/experimental/awaitable_operators.hpp>
-#include <deque>
 #include <future>
 #include <thread>
 #include <unordered_map>
@@ -72,18 +71,24 @@ struct Run {
 class Session;
 
 struct StoreServer::Impl {
+  // Declared before io so that they outlive it: the coroutines still suspended when the server
+  // stops are destroyed with io, and their cleanup unregisters watches from their run's store.
+  // (Each run's timer, bound to io, is freed before io in ~Impl.)
+  std::unordered_map<std::string, std::unique_ptr<Run>> runs;
   ServerOptions options;
   bool allowPytorch = true;
   asio::io_context io{1};
   tcp::acceptor acceptor{io};
   asio::steady_timer sweep{io};
   ServerStats stats;
-  std::unordered_map<std::string, std::unique_ptr<Run>> runs;
   std::unordered_map<AgentId, Session*> sessions;
   AgentId nextSession = 1;
   std::thread thread;
   bool stopped = false;
 
+  ~Impl() {
+    for (auto& [id, run] : runs) run->tick.reset();
+  }
   awaitable<void> accept();
   awaitable<void> sweepRuns();
   awaitable<void> tickRun(Run* run);
@@ -112,10 +117,55 @@ class Session : public std::enable_shared_from_this<Session> {
     finish();
   }
 
-  // Writes a frame at once when the socket takes it (the usual case); otherwise queues it
-  // for a writer coroutine started on demand, so a connection costs no writer while idle.
+  // Sends a frame (see write()). While this session's reader handles the frames it has read,
+  // replies are held and leave together when it waits again (a HELLO pipelined with a
+  // request: one segment back, one wake-up of the client); anything sent while it is parked
+  // leaves at once, held replies first.
   void send(std::vector<std::uint8_t> frame) {
     if (closed_) return;
+    if (holding_) {
+      held_.insert(held_.end(), frame.begin(), frame.end());
+      return;
+    }
+    if (!held_.empty()) {
+      frame.insert(frame.begin(), held_.begin(), held_.end());
+      held_.clear();
+    }
+    write(std::move(frame));
+  }
+
+  // Sends what the reader held; from now on, sends leave at once.
+  void release() {
+    holding_ = false;
+    if (!held_.empty()) send({});
+  }
+
+  // Closes once everything queued has been written.
+  void closeAfterFlush() {
+    release();
+    if (!writing_) {
+      close();
+    } else {
+      closeAfterFlush_ = true;
+    }
+  }
+
+  void close() {
+    if (closed_) return;
+    closed_ = true;
+    boost::system::error_code ec;
+    socket_.close(ec);
+    parked_.cancel();
+  }
+
+  AgentId id() const { return id_; }
+  bool writing() const { return writing_; }
+
+ private:
+  // Writes at once when the socket takes it (the usual case); otherwise queues the rest for a
+  // writer coroutine started on demand, so a connection costs no writer while idle.
+  void write(std::vector<std::uint8_t> frame) {
+    if (frame.empty()) return;
     if (outbox_.empty() && !writing_) {
       boost::system::error_code ec;
       const std::size_t n = socket_.write_some(asio::buffer(frame), ec);
@@ -140,27 +190,6 @@ class Session : public std::enable_shared_from_this<Session> {
     }
   }
 
-  // Closes once everything queued has been written.
-  void closeAfterFlush() {
-    if (!writing_) {
-      close();
-    } else {
-      closeAfterFlush_ = true;
-    }
-  }
-
-  void close() {
-    if (closed_) return;
-    closed_ = true;
-    boost::system::error_code ec;
-    socket_.close(ec);
-    parked_.cancel();
-  }
-
-  AgentId id() const { return id_; }
-  bool writing() const { return writing_; }
-
- private:
   awaitable<void> reader() {
     try {
       // The first bytes may take as long as the client likes; they tell the dialect.
@@ -172,14 +201,16 @@ class Session : public std::enable_shared_from_this<Session> {
         run_ = &run;
         std::vector<std::uint8_t> initial(in_.begin() + static_cast<std::ptrdiff_t>(inStart_),
                                           in_.begin() + static_cast<std::ptrdiff_t>(inEnd_));
-        co_await servePytorchDialect(socket_, std::move(initial), run.store, server_.options.limits,
-                                     server_.options.frameTimeout, [this] { return closed_; },
-                                     [this](std::vector<std::uint8_t> bytes) { send(std::move(bytes)); });
+        co_await servePytorchDialect(
+            socket_, std::move(initial), run.store, server_.options.limits,
+            server_.options.frameTimeout, [this] { return closed_; },
+            [this](std::vector<std::uint8_t> bytes) { send(std::move(bytes)); });
       } else {
         ++server_.stats.authFailures;
-        log::warn("store server: closing connection from {}: PyTorch TCPStore clients are off "
-                  "(the server has a job token; enable them explicitly)",
-                  peer());
+        log::warn(
+            "store server: closing connection from {}: PyTorch TCPStore clients are off "
+            "(the server has a job token; enable them explicitly)",
+            peer());
       }
     } catch (const ProtocolError& e) {
       ++server_.stats.protocolErrors;
@@ -198,9 +229,10 @@ class Session : public std::enable_shared_from_this<Session> {
   // `self` keeps the session alive until the outbox is written.
   awaitable<void> writer([[maybe_unused]] std::shared_ptr<Session> self) {
     while (!outbox_.empty() && !closed_) {
-      asio::steady_timer timer(socket_.get_executor(),
-                               asio::steady_timer::clock_type::now() + server_.options.frameTimeout);
-      auto result = co_await (asio::async_write(socket_, asio::buffer(outbox_.front()), asio::as_tuple(kUseAwaitable)) ||
+      asio::steady_timer timer(socket_.get_executor(), asio::steady_timer::clock_type::now() +
+                                                           server_.options.frameTimeout);
+      auto result = co_await (asio::async_write(socket_, asio::buffer(outbox_.front()),
+                                                asio::as_tuple(kUseAwaitable)) ||
                               timer.async_wait(asio::as_tuple(kUseAwaitable)));
       if (result.index() == 1) {
         log::warn("store server: closing connection from {}: it does not read its replies", peer());
@@ -208,7 +240,7 @@ class Session : public std::enable_shared_from_this<Session> {
       } else if (std::get<0>(std::get<0>(result))) {
         close();  // the peer went away
       }
-      if (!outbox_.empty()) outbox_.pop_front();
+      if (!outbox_.empty()) outbox_.erase(outbox_.begin());
     }
     writing_ = false;
     if (closeAfterFlush_) close();
@@ -233,11 +265,14 @@ class Session : public std::enable_shared_from_this<Session> {
       inEnd_ -= inStart_;
       inStart_ = 0;
     }
-    if (in_.size() < std::max<std::size_t>(n, 4096)) in_.resize(std::max<std::size_t>(n, 4096));
+    if (in_.size() < std::max(n, readSize_)) in_.resize(std::max(n, readSize_));
     while (inEnd_ < n) {
       boost::system::error_code ec;
-      const std::size_t got = socket_.read_some(asio::buffer(in_.data() + inEnd_, in_.size() - inEnd_), ec);
+      const std::size_t got =
+          socket_.read_some(asio::buffer(in_.data() + inEnd_, in_.size() - inEnd_), ec);
       inEnd_ += got;
+      // A full buffer: a client that pipelines; read more at once from now on.
+      if (inEnd_ == in_.size() && readSize_ < kMaxReadSize) readSize_ *= 2;
       if (!ec) continue;
       if (ec != asio::error::would_block && ec != asio::error::try_again) {
         if (ec == asio::error::eof || ec == asio::error::connection_reset ||
@@ -246,14 +281,17 @@ class Session : public std::enable_shared_from_this<Session> {
         }
         throw boost::system::system_error(ec);
       }
+      release();  // replies held while handling what was read leave before waiting for more
       if (!deadline) {
-        auto [waitError] = co_await socket_.async_wait(tcp::socket::wait_read, asio::as_tuple(kUseAwaitable));
+        auto [waitError] =
+            co_await socket_.async_wait(tcp::socket::wait_read, asio::as_tuple(kUseAwaitable));
         if (waitError) co_return false;
         continue;
       }
       asio::steady_timer timer(socket_.get_executor(), *deadline);
-      auto result = co_await (socket_.async_wait(tcp::socket::wait_read, asio::as_tuple(kUseAwaitable)) ||
-                              timer.async_wait(asio::as_tuple(kUseAwaitable)));
+      auto result =
+          co_await (socket_.async_wait(tcp::socket::wait_read, asio::as_tuple(kUseAwaitable)) ||
+                    timer.async_wait(asio::as_tuple(kUseAwaitable)));
       if (result.index() == 1) throw TimeoutError("timed out reading a frame");
       if (std::get<0>(std::get<0>(result))) co_return false;
     }
@@ -265,17 +303,21 @@ class Session : public std::enable_shared_from_this<Session> {
     for (;;) {
       // Idle between frames is normal; once a frame has started, the rest has a deadline.
       if (!co_await fill(1, std::nullopt)) co_return;
-      const auto frameDeadline = asio::steady_timer::clock_type::now() + server_.options.frameTimeout;
+      const auto frameDeadline =
+          asio::steady_timer::clock_type::now() + server_.options.frameTimeout;
       if (!co_await fill(kHeaderSize, frameDeadline)) co_return;
       const Header h = decodeHeader(std::span(in_.data() + inStart_, kHeaderSize), limits);
       if (!co_await fill(kHeaderSize + h.bodyLength, frameDeadline)) co_return;
-      const Request req = decodeRequest(h.op, std::span(in_.data() + inStart_ + kHeaderSize, h.bodyLength), limits);
+      const Request req =
+          decodeRequest(h.op, std::span(in_.data() + inStart_ + kHeaderSize, h.bodyLength), limits);
       inStart_ += kHeaderSize + h.bodyLength;
       if (inStart_ == inEnd_) {
         inStart_ = inEnd_ = 0;
-        if (in_.size() > (1u << 20)) in_.resize(4096);  // give back a big frame's buffer
+        if (in_.size() > kMaxReadSize)
+          std::vector<std::uint8_t>().swap(in_);  // give back a big frame's buffer
       }
       ++server_.stats.requestsServed;
+      holding_ = true;
       if (!co_await handleFramed(req)) co_return;
       if (closed_) co_return;
     }
@@ -304,11 +346,13 @@ class Session : public std::enable_shared_from_this<Session> {
       if (runId_.empty() || authenticated_ || serverNonce_.empty()) {
         throw ProtocolError("AUTH out of order");
       }
-      const auto mac = hmacSha256(server_.options.token, authMessage(runId_, clientNonce_, serverNonce_));
+      const auto mac =
+          hmacSha256(server_.options.token, authMessage(runId_, clientNonce_, serverNonce_));
       const std::string expected(reinterpret_cast<const char*>(mac.data()), mac.size());
       if (!constantTimeEqual(expected, req.value)) {
         ++server_.stats.authFailures;
-        log::warn("store server: connection from {} failed authentication for run '{}'", peer(), runId_);
+        log::warn("store server: connection from {} failed authentication for run '{}'", peer(),
+                  runId_);
         send(encodeResponse(req.op, Response{Status::kError, 0, "authentication failed", {}}));
         closeAfterFlush();
         co_return false;
@@ -320,8 +364,11 @@ class Session : public std::enable_shared_from_this<Session> {
     }
     if (!authenticated_ || run_ == nullptr) {
       ++server_.stats.authFailures;
-      log::warn("store server: closing connection from {}: {} before HELLO/AUTH", peer(), opName(req.op));
-      send(encodeResponse(req.op, Response{Status::kError, 0, "not authenticated: send HELLO (and AUTH) first", {}}));
+      log::warn("store server: closing connection from {}: {} before HELLO/AUTH", peer(),
+                opName(req.op));
+      send(encodeResponse(
+          req.op,
+          Response{Status::kError, 0, "not authenticated: send HELLO (and AUTH) first", {}}));
       closeAfterFlush();
       co_return false;
     }
@@ -351,7 +398,8 @@ class Session : public std::enable_shared_from_this<Session> {
         server_.deliver(run, run.rounds.close(req.value));
         server_.rearm(run);
         co_return true;
-      default: break;
+      default:
+        break;
     }
     if (req.op == Op::kAddWait) {
       send(encodeResponse(req.op, co_await addWait(run, req)));
@@ -363,10 +411,9 @@ class Session : public std::enable_shared_from_this<Session> {
       adding += req.value.size();
       for (const auto& v : req.values) adding += v.size();
       if (run.store.bytesHeld() + adding > server_.options.limits.maxRunBytes) {
-        throw ProtocolError("run '" + run.id + "' would hold " +
-                            std::to_string(run.store.bytesHeld() + adding) +
-                            " bytes, over the limit of " +
-                            std::to_string(server_.options.limits.maxRunBytes));
+        throw ProtocolError(
+            "run '" + run.id + "' would hold " + std::to_string(run.store.bytesHeld() + adding) +
+            " bytes, over the limit of " + std::to_string(server_.options.limits.maxRunBytes));
       }
     }
     send(encodeResponse(req.op, co_await answer(run, req)));
@@ -376,7 +423,9 @@ class Session : public std::enable_shared_from_this<Session> {
   // The counter barrier: add once, then park until the counter reaches the target.
   awaitable<Response> addWait(Run& run, const Request& req) {
     const auto target = parseInt(req.value);
-    if (!target) co_return Response{Status::kError, 0, "ADD_WAIT: target '" + req.value + "' is not an integer", {}};
+    if (!target)
+      co_return Response{
+          Status::kError, 0, "ADD_WAIT: target '" + req.value + "' is not an integer", {}};
     std::int64_t value = 0;
     try {
       value = run.store.add(req.keys[0], req.number);
@@ -384,6 +433,7 @@ class Session : public std::enable_shared_from_this<Session> {
       co_return Response{Status::kError, 0, e.what(), {}};
     }
     if (value >= *target) co_return Response{Status::kOk, value, {}, {}};
+    holding_ = false;  // parked: events pushed meanwhile leave at once (with what is held)
     parked_.expires_after(std::chrono::milliseconds(req.timeoutMs));
     bool reached = false;
     const auto watch = run.store.watchCounter(req.keys[0], *target, [this, &reached] {
@@ -411,12 +461,18 @@ class Session : public std::enable_shared_from_this<Session> {
       }
       if (resp) co_return std::move(*resp);
       if (asio::steady_timer::clock_type::now() >= deadline) {
+        if (req.op == Op::kWatch) {
+          // Nothing changed up to now: the caller may wait on from the run's revision.
+          co_return Response{
+              Status::kTimeout, static_cast<std::int64_t>(run.store.revision()), {}, {}};
+        }
         Response timeout{Status::kTimeout, 0, {}, {}};
         for (const auto& key : req.keys) {
           if (!run.store.contains(key)) timeout.value += (timeout.value.empty() ? "" : ", ") + key;
         }
         co_return timeout;
       }
+      holding_ = false;  // parked: events pushed meanwhile leave at once (with what is held)
       parked_.expires_at(deadline);
       const auto watch = run.store.watch(req.keys, [this] { parked_.cancel(); });
       co_await parked_.async_wait(asio::as_tuple(kUseAwaitable));
@@ -425,11 +481,10 @@ class Session : public std::enable_shared_from_this<Session> {
     }
   }
 
-  void bind() {
-    run_ = &server_.bindRun(runId_);
-  }
+  void bind() { run_ = &server_.bindRun(runId_); }
 
   void finish() {
+    release();
     if (writing_) {
       closeAfterFlush();  // let a queued goodbye (an error reply) leave first
     } else {
@@ -452,11 +507,20 @@ class Session : public std::enable_shared_from_this<Session> {
   tcp::socket socket_;
   asio::steady_timer parked_{socket_.get_executor()};
   AgentId id_;
-  std::deque<std::vector<std::uint8_t>> outbox_;
+  // Frames the socket did not take at once (rare: a slow reader). A vector rather than a
+  // deque, which would allocate 576 bytes up front for every connection.
+  std::vector<std::vector<std::uint8_t>> outbox_;
   bool closed_ = false;
   bool closeAfterFlush_ = false;
   bool writing_ = false;
-  std::vector<std::uint8_t> in_;  // received bytes; [inStart_, inEnd_) not parsed yet
+  bool holding_ = false;  // the reader is handling what it read: replies wait in held_
+  std::vector<std::uint8_t> held_;
+  // Received bytes; [inStart_, inEnd_) not parsed yet. Small at first: a fresh server's
+  // first thousands of connections pay a page fault for every 4 KiB they touch, and most
+  // clients send a frame or two of a few dozen bytes.
+  static constexpr std::size_t kMaxReadSize = 64 * 1024;
+  std::size_t readSize_ = 512;
+  std::vector<std::uint8_t> in_;
   std::size_t inStart_ = 0;
   std::size_t inEnd_ = 0;
   Run* run_ = nullptr;
@@ -530,7 +594,8 @@ void StoreServer::Impl::deliver(Run& run, const std::vector<Event>& events) {
   if (assigned && pytorchRun) {
     std::size_t dropped = 0;
     for (const char* prefix : kPytorchWorkerPrefixes) dropped += run.store.removePrefix(prefix);
-    if (dropped > 0) log::debug("store server: run '{}': dropped {} keys of the previous round", run.id, dropped);
+    if (dropped > 0)
+      log::debug("store server: run '{}': dropped {} keys of the previous round", run.id, dropped);
   }
 }
 
@@ -541,7 +606,8 @@ awaitable<void> StoreServer::Impl::accept() {
     // Wait until connections are queued, then take every one of them: when thousands of
     // ranks connect at once, a slow drain overflows the listen backlog and each dropped SYN
     // costs its client a one-second retransmit.
-    auto [waitError] = co_await acceptor.async_wait(tcp::acceptor::wait_read, asio::as_tuple(kUseAwaitable));
+    auto [waitError] =
+        co_await acceptor.async_wait(tcp::acceptor::wait_read, asio::as_tuple(kUseAwaitable));
     if (waitError == asio::error::operation_aborted || stopped) co_return;
     for (;;) {
       tcp::socket socket(io);
@@ -556,8 +622,9 @@ awaitable<void> StoreServer::Impl::accept() {
       }
       ++stats.connectionsAccepted;
       if (options.maxConnections > 0 && sessions.size() >= options.maxConnections) {
-        log::warn("store server: refusing connection from {}: {} connections open (--max_connections)",
-                  peerName(socket), sessions.size());
+        log::warn(
+            "store server: refusing connection from {}: {} connections open (--max_connections)",
+            peerName(socket), sessions.size());
         socket.close(ec);
         continue;
       }
@@ -610,7 +677,8 @@ StoreServer::StoreServer(ServerOptions options) : impl_(std::make_unique<Impl>()
     impl_->acceptor.bind(endpoint);
     impl_->acceptor.listen(asio::socket_base::max_listen_connections);
   } catch (const boost::system::system_error& e) {
-    throw NetworkError("store server: cannot listen on " + where + ": " + e.code().message(), where);
+    throw NetworkError("store server: cannot listen on " + where + ": " + e.code().message(),
+                       where);
   }
   const auto logError = [](std::exception_ptr e) {
     if (!e) return;
@@ -637,7 +705,8 @@ void StoreServer::stop() {
   asio::post(impl_->io, [impl = impl_.get()] {
     boost::system::error_code ec;
     impl->acceptor.close(ec);
-    for (auto& [id, run] : impl->runs) impl->deliver(*run, run->rounds.close("server shutting down"));
+    for (auto& [id, run] : impl->runs)
+      impl->deliver(*run, run->rounds.close("server shutting down"));
     impl->stopped = true;
     impl->sweep.cancel();
     bool flushing = false;

@@ -1,11 +1,16 @@
 // PyTorch's own store clients against fsdprun-rdzv: LibTorch 1.13's c10d::TCPStore (C++) and
 // python3-torch's torch.distributed.TCPStore, over loopback.
 #include <gtest/gtest.h>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <condition_variable>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <thread>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "fsdp/rendezvous/store_client.hpp"
 #include "rdzv_daemon.hpp"
@@ -94,6 +99,128 @@ TEST(PytorchStore, RefusedWhenATokenIsSetUnlessAllowed) {
   EXPECT_THROW(refused(), std::exception);
   fsdp::testing::RdzvDaemon open({"--token_file", tokenFile, "--allow_pytorch_clients"});
   EXPECT_EQ(client(open.port())->add("x", 1), 1);
+}
+
+// What a watchKey callback saw, in order: "old>new", with "-" for an absent value.
+class WatchLog {
+ public:
+  c10d::WatchKeyCallback callback() {
+    return [this](c10::optional<std::string> oldValue, c10::optional<std::string> newValue) {
+      std::scoped_lock lock(mutex_);
+      seen_.push_back(oldValue.value_or("-") + ">" + newValue.value_or("-"));
+      changed_.notify_all();
+    };
+  }
+  // The first n changes, or as many as came within the timeout.
+  std::vector<std::string> first(std::size_t n, std::chrono::milliseconds timeout) {
+    std::unique_lock lock(mutex_);
+    changed_.wait_for(lock, timeout, [&] { return seen_.size() >= n; });
+    return seen_;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::vector<std::string> seen_;
+};
+
+// The same writes, watched with LibTorch 1.13's watchKey, against any server on `port`.
+std::vector<std::string> watchedChanges(std::uint16_t port) {
+  auto watcher = client(port);
+  auto writer = client(port);
+  WatchLog log;
+  watcher->watchKey("k", log.callback());
+  writer->set("k", bytes("v1"));
+  writer->set("k", bytes("5"));
+  writer->add("k", 2);
+  writer->compareSet("k", bytes("no"), bytes("never"));  // no swap: no change
+  writer->compareSet("k", bytes("7"), bytes("z"));
+  writer->set("other", bytes("x"));
+  writer->deleteKey("k");
+  return log.first(5, 10s);
+}
+
+c10d::TCPStore referenceServer() {
+  c10d::TCPStoreOptions o;
+  o.port = 0;
+  o.isServer = true;
+  o.waitWorkers = false;
+  o.timeout = 10s;
+  return c10d::TCPStore("127.0.0.1", o);
+}
+
+TEST(PytorchStore, LibTorch113WatchKeySeesWhatC10dsOwnServerShows) {
+  fsdp::testing::RdzvDaemon daemon;
+  const auto ours = watchedChanges(daemon.port());
+  auto reference = referenceServer();
+  const auto theirs = watchedChanges(reference.getPort());
+  EXPECT_EQ(theirs, std::vector<std::string>({"->v1", "v1>5", "5>7", "7>z", "z>-"}));
+  EXPECT_EQ(ours, theirs);
+}
+
+TEST(PytorchStore, LibTorch113WatchKeyAlsoSeesWritesOfOurOwnClients) {
+  fsdp::testing::RdzvDaemon daemon;
+  auto watcher = client(daemon.port());
+  WatchLog log;
+  watcher->watchKey("k", log.callback());
+  auto ours = fsdp::rendezvous::StoreClient::connect("127.0.0.1", daemon.port());
+  ours->set("/k", "a");
+  ours->append("/k", "bc");  // c10d's KEY_APPENDED carries only the suffix; 1.13 reads an update
+  ours->multiSet({"/k"}, {"m"});
+  ours->remove("/k");
+  EXPECT_EQ(log.first(4, 10s), std::vector<std::string>({"->a", ">bc", "abc>m", "m>-"}));
+}
+
+// Everything a watching connection receives, byte for byte: WATCH_KEY (opcode 7) of "/k" on a
+// raw socket, then set, set, add, a failed and a successful compare_set, a write of another
+// key and a delete, through a LibTorch client. Each server sends a change before it answers
+// the write, so once the delete has returned, every byte is in the socket.
+std::vector<std::uint8_t> watchBytes(std::uint16_t port, std::size_t expectedBytes) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  const std::uint8_t watch[] = {7, 2, 0, 0, 0, 0, 0, 0, 0, '/', 'k'};
+  EXPECT_EQ(::write(fd, watch, sizeof(watch)), static_cast<ssize_t>(sizeof(watch)));
+  std::vector<std::uint8_t> received(1);
+  timeval tv{5, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  EXPECT_EQ(::read(fd, received.data(), 1), 1);  // KEY_CALLBACK_REGISTERED, before any write
+  auto writer = client(port);
+  writer->set("k", bytes("v1"));
+  writer->set("k", bytes("5"));
+  writer->add("k", 2);
+  writer->compareSet("k", bytes("no"), bytes("never"));
+  writer->compareSet("k", bytes("7"), bytes("z"));
+  writer->set("other", bytes("x"));
+  writer->deleteKey("k");
+  // Read until `expectedBytes` came or nothing more comes for a second: c10d's server sends
+  // the empty new value of a deletion with MSG_MORE and nothing after it, so those last 8
+  // bytes leave its kernel only when the cork times out (about 200 ms later).
+  std::uint8_t buf[4096];
+  timeval shortWait{1, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &shortWait, sizeof(shortWait));
+  while (received.size() < expectedBytes) {
+    const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+    if (n <= 0) break;
+    received.insert(received.end(), buf, buf + n);
+  }
+  ::close(fd);
+  return received;
+}
+
+TEST(PytorchStore, WatchKeyBytesAreThoseOfC10dsOwnServer) {
+  // KEY_CALLBACK_REGISTERED, then five changes: a type byte, then key, old and new value with
+  // u64 lengths: ->v1 (29 bytes), v1>5 (30), 5>7 (29), 7>z (29), z> (28).
+  constexpr std::size_t kExpected = 146;
+  fsdp::testing::RdzvDaemon daemon;
+  auto reference = referenceServer();
+  const auto theirs = watchBytes(reference.getPort(), kExpected);
+  const auto ours = watchBytes(daemon.port(), kExpected);
+  EXPECT_EQ(theirs.size(), kExpected);
+  EXPECT_EQ(ours, theirs);
 }
 
 TEST(PytorchStore, PythonTcpStoreClientDoesEveryOperation) {

@@ -21,7 +21,6 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
-#include <regex>
 #include <set>
 #include <sstream>
 
@@ -43,6 +42,12 @@ std::string stepDirName(std::int64_t step) {
   char name[32];
   std::snprintf(name, sizeof(name), "step_%08lld", static_cast<long long>(step));
   return name;
+}
+
+// "step_" and eight digits: the names stepDirName makes (and nothing a user left beside them).
+bool isStepDirName(const std::string& name) {
+  return name.size() == 13 && name.starts_with("step_") &&
+         std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; });
 }
 
 std::string rankFileName(int rank) {
@@ -584,7 +589,7 @@ void commit(const std::string& dir, const std::string& tmp, const std::string& f
     const std::string name = entry.path().filename().string();
     if (name.starts_with(".step_") && entry.path().string() != tmp) {
       fs::remove_all(entry.path(), ec);
-    } else if (name.starts_with("step_") && fs::exists(entry.path() / "COMMIT")) {
+    } else if (isStepDirName(name) && fs::exists(entry.path() / "COMMIT")) {
       complete.push_back(entry.path().string());
     }
   }
@@ -893,10 +898,9 @@ void saveFullCheckpoint(Runtime& runtime, FullyShardedDataParallel& model, const
 std::optional<std::string> newestCheckpoint(const std::string& dir) {
   std::error_code ec;
   std::vector<std::string> complete;
-  static const std::regex name("step_[0-9]{8}");
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
     const std::string n = entry.path().filename().string();
-    if (std::regex_match(n, name) && fs::exists(entry.path() / "COMMIT")) complete.push_back(entry.path().string());
+    if (isStepDirName(n) && fs::exists(entry.path() / "COMMIT")) complete.push_back(entry.path().string());
   }
   if (complete.empty()) return std::nullopt;
   return *std::max_element(complete.begin(), complete.end());

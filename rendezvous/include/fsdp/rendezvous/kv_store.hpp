@@ -1,19 +1,30 @@
 #pragma once
 // The in-memory key-value state behind the store server, with one-shot watches that wake
-// server-side waiters. Pure data structure: no I/O, no locking. The server touches it only
-// from its single event-loop thread.
+// server-side waiters, revisions for change watches, and observers that see every change.
+// Pure data structure: no I/O, no locking. The server touches it only from its single
+// event-loop thread.
 
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
 #include "fsdp/rendezvous/protocol.hpp"
 
 namespace fsdp::rendezvous {
+
+// What one write did to a key, as observers see it (PyTorch's WATCH_KEY reports these).
+enum class ChangeKind : std::uint8_t { kCreated, kUpdated, kDeleted, kAppended };
+struct KeyEvent {
+  ChangeKind kind;
+  std::string_view key;
+  std::string_view oldValue;  // empty when created
+  std::string_view newValue;  // the whole value now; empty when deleted
+};
 
 class KvStore {
  public:
@@ -38,8 +49,23 @@ class KvStore {
   std::vector<std::string> keys() const;
   std::size_t bytesHeld() const { return bytes_; }
 
-  // Calls `fire` once, the next time any of `keys` is written. The callback must not touch
-  // the store. Returns an id for unwatch().
+  // The revision: a counter that every write of a key increments (set, add, append, a
+  // compare_set that swaps, each key of a multi_set, delete). Each key remembers the revision
+  // of its last write, and a deleted key its deletion's (a bounded number of them: past
+  // kMaxTombstones, or kMaxTombstoneBytes of keys, all are forgotten, see changeSince).
+  std::uint64_t revision() const { return revision_; }
+  // The earliest change among `keys` after revision `since`: the key whose state now is the
+  // result of a write later than `since`, with the lowest such revision, and its value now
+  // (nullopt: deleted). Several writes of one key report as one, its latest. A key absent now
+  // whose deletion was forgotten is reported deleted at the revision where it was forgotten
+  // when `since` is older than that: a repeat at worst, never a lost change.
+  std::optional<KeyChange> changeSince(const std::vector<std::string>& keys,
+                                       std::uint64_t since) const;
+  static constexpr std::size_t kMaxTombstones = 65536;
+  static constexpr std::size_t kMaxTombstoneBytes = 16u << 20;  // of their keys
+
+  // Calls `fire` once, the next time any of `keys` is written or deleted. The callback must
+  // not touch the store. Returns an id for unwatch().
   WatchId watch(const std::vector<std::string>& keys, std::function<void()> fire);
   void unwatch(WatchId id);
   // Calls `fire` once, when the integer at `key` first reaches `target` (through add()).
@@ -48,19 +74,46 @@ class KvStore {
   WatchId watchCounter(const std::string& key, std::int64_t target, std::function<void()> fire);
   std::size_t watchCount() const { return watches_.size(); }
 
+  // Calls `seen` after every write or delete of `key`, until unobserve(), with what changed.
+  // The callback must not touch the store; the views it gets live only for the call.
+  WatchId observe(const std::string& key, std::function<void(const KeyEvent&)> seen);
+  void unobserve(WatchId id);
+  std::size_t observerCount() const { return observers_.size(); }
+
  private:
+  struct Entry {
+    std::string value;
+    std::uint64_t revision = 0;
+  };
+  // Sets the value; observers see kCreated, or `ifPresent` (kUpdated, kAppended).
+  void write(const std::string& key, std::string value, ChangeKind ifPresent);
+  void erased(const std::string& key, const std::string& oldValue);
+  void tell(ChangeKind kind, const std::string& key, std::string_view oldValue,
+            std::string_view newValue);
   void notify(const std::string& key);
   struct Watch {
     std::vector<std::string> keys;
     std::function<void()> fire;
     std::optional<std::pair<std::string, std::int64_t>> counter;  // watchCounter's key, target
   };
-  std::unordered_map<std::string, std::string> data_;
+  struct Observer {
+    std::string key;
+    std::function<void(const KeyEvent&)> seen;
+  };
+  std::unordered_map<std::string, Entry> data_;
   std::size_t bytes_ = 0;
+  std::uint64_t revision_ = 0;
+  // Deleted keys -> the revision of their deletion; when there are too many, they are all
+  // forgotten and compactedRevision_ says up to where.
+  std::unordered_map<std::string, std::uint64_t> tombstones_;
+  std::size_t tombstoneBytes_ = 0;
+  std::uint64_t compactedRevision_ = 0;
   std::unordered_map<std::string, std::vector<WatchId>> byKey_;
   std::map<WatchId, Watch> watches_;
   // Counter waiters per key, by threshold; a fired or removed id leaves watches_ too.
   std::unordered_map<std::string, std::multimap<std::int64_t, WatchId>> counterWatches_;
+  std::unordered_map<std::string, std::vector<WatchId>> observersByKey_;
+  std::map<WatchId, Observer> observers_;
   void fireCounter(const std::string& key, std::int64_t value);
   WatchId nextId_ = 1;
 };

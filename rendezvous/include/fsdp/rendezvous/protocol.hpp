@@ -12,6 +12,7 @@
 // whose connections start with a small opcode.
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -25,15 +26,15 @@ inline constexpr std::size_t kHeaderSize = 12;
 enum class Op : std::uint8_t {
   kPing = 0,
   kSet = 1,
-  kGet = 2,         // waits (server side) until the key exists or timeout_ms passes
+  kGet = 2,  // waits (server side) until the key exists or timeout_ms passes
   kAdd = 3,
   kCheck = 4,
-  kWait = 5,        // waits until every key exists or timeout_ms passes
+  kWait = 5,  // waits until every key exists or timeout_ms passes
   kDelete = 6,
   kNumKeys = 7,
   kCompareSet = 8,
   kAppend = 9,
-  kMultiGet = 10,   // non-waiting; missing keys are an error
+  kMultiGet = 10,  // non-waiting; missing keys are an error
   kMultiSet = 11,
   // Session and rendezvous ops.
   kHello = 12,      // keys[0] = run id, value = client nonce; reply: number = 1 if AUTH is
@@ -48,8 +49,12 @@ enum class Op : std::uint8_t {
                     // >= value (decimal) or timeout_ms passed; reply number = the counter
   kSucceeded = 20,  // every worker of this member's node exited 0; no reply (the run finishes
                     // with a RUN_FINISHED event once every member has said so)
+  kWatch = 21,      // number = revision seen; answered (server side, like WAIT) once one of keys
+                    // changed after it, or timeout_ms passed: value = key, values = {value now}
+                    // or {} when deleted, number = that change's revision (on timeout: the run's)
+  kRevision = 22,   // reply number = the run's revision (see KvStore::revision)
 };
-inline constexpr std::uint8_t kMaxOp = 20;
+inline constexpr std::uint8_t kMaxOp = 22;
 
 // The message a client MACs to authenticate: binds the token proof to this run and both
 // nonces, so a recorded proof cannot be replayed on another connection.
@@ -70,6 +75,13 @@ struct Limits {
   std::uint64_t maxRunBytes = 1ull << 30;  // keys + values held per run
 };
 
+// One change of a watched key, as a watch reports it.
+struct KeyChange {
+  std::string key;
+  std::optional<std::string> value;  // the value now; nullopt when the key was deleted
+  std::uint64_t revision = 0;        // the run's revision of this change
+};
+
 struct Header {
   Op op = Op::kPing;
   std::uint32_t bodyLength = 0;
@@ -78,8 +90,8 @@ struct Header {
 struct Request {
   Op op = Op::kPing;
   std::vector<std::string> keys;
-  std::string value;    // SET, APPEND, COMPARE_SET (expected); MULTI_SET: unused
-  std::string value2;   // COMPARE_SET (desired)
+  std::string value;                // SET, APPEND, COMPARE_SET (expected); MULTI_SET: unused
+  std::string value2;               // COMPARE_SET (desired)
   std::vector<std::string> values;  // MULTI_SET values, one per key
   std::int64_t number = 0;          // ADD delta
   std::uint32_t timeoutMs = 0;      // GET, WAIT

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -64,6 +65,32 @@ class StoreClient {
   std::vector<std::string> multiGet(const std::vector<std::string>& keys);
   void multiSet(const std::vector<std::string>& keys, const std::vector<std::string>& values);
   void ping();
+
+  // Change notification (c10d's watchKey, without a callback thread).
+  //
+  // The run's revision: a counter that every write of a key increments (set, add, append, a
+  // compare_set that swaps, each pair of a multi_set, delete, and the server dropping a
+  // restarted round's PyTorch keys). Read it before reading the keys you are about to watch.
+  std::uint64_t revision();
+  // Waits (server side, no polling) until one of `keys` changes after revision `since`, and
+  // returns that change: the key, its value now (nullopt: deleted) and the change's revision.
+  // Pass that revision back as `since` to wait for the next one. No change is lost between two
+  // calls: a key written after `since` is reported even if it was written before this call;
+  // when several were, they come in the order of their last writes; several writes of one key
+  // in between come as one, with its latest value. A key deleted long ago (past the server's
+  // bound on remembered deletions) may be reported deleted once more. since = 0 reports any
+  // key that exists. Returns nullopt when nothing changed within `timeout`. Throws Error when
+  // `since` is ahead of the run's revision (the server dropped the run, idle past its TTL, and
+  // began it again: what changed in between is unknown).
+  //
+  //   std::uint64_t seen = store->revision();
+  //   std::string value = store->get("config");
+  //   while (auto change = store->waitForChange({"config"}, seen, 60s)) {
+  //     seen = change->revision;
+  //     if (change->value) value = *change->value;
+  //   }
+  std::optional<KeyChange> waitForChange(const std::vector<std::string>& keys, std::uint64_t since,
+                                         std::chrono::milliseconds timeout);
 
   // "host:port", for messages.
   const std::string& endpoint() const { return endpoint_; }
