@@ -46,6 +46,7 @@ void storeInit(const Args& args);
 // Hidden subcommands run by the benches in child processes.
 int rdzvJoinHelper(std::uint16_t port, int count, int total);
 int storeInitHelper(const std::string& server, std::uint16_t port, int count, int total);
+int storeInitWireHelper(const std::string& wire, std::uint16_t port, int count, int total);
 int c10dServer();
 void launch(const Args& args);
 void restart(const Args& args);

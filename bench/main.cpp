@@ -88,8 +88,10 @@ int main(int argc, char** argv) {
        rdzvJoin},
       {"store_init",
        "N clients connect, add(init,1) and wait for the count to reach N, ours vs c10d::TCPStore "
-       "1.13, medians of alternating reps (--clients 1000,10000 --server ours|c10d|both --reps 3)",
-       {"clients", "server", "reps"},
+       "1.13, medians of alternating reps; clients: LibTorch's own (a thread each) and/or "
+       "event-driven wire clients, the same for every server (--clients 1000,10000 "
+       "--server ours|c10d|both --client libtorch|wire|both --reps 3)",
+       {"clients", "server", "client", "reps"},
        storeInit},
       {"launch",
        "fsdprun vs torchrun (--monitor_interval 0.1): --standalone --nproc_per_node N: wall of a "
@@ -137,6 +139,10 @@ int main(int argc, char** argv) {
     if (first == "store_init_helper" && argc == 6) {
       return storeInitHelper(argv[2], static_cast<std::uint16_t>(std::stoi(argv[3])), std::stoi(argv[4]),
                              std::stoi(argv[5]));
+    }
+    if (first == "store_init_wire_helper" && argc == 6) {
+      return storeInitWireHelper(argv[2], static_cast<std::uint16_t>(std::stoi(argv[3])), std::stoi(argv[4]),
+                                 std::stoi(argv[5]));
     }
     if (first == "c10d_server") return c10dServer();
     if (first == "collectives_worker" && argc == 4) return collectivesWorker(argv[2], std::stoi(argv[3]));

@@ -13,6 +13,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "fsdp/rendezvous/store_client.hpp"
+#include "raw_socket.hpp"
 #include "rdzv_daemon.hpp"
 #include "run_command.hpp"
 
@@ -176,18 +177,12 @@ TEST(PytorchStore, LibTorch113WatchKeyAlsoSeesWritesOfOurOwnClients) {
 // key and a delete, through a LibTorch client. Each server sends a change before it answers
 // the write, so once the delete has returned, every byte is in the socket.
 std::vector<std::uint8_t> watchBytes(std::uint16_t port, std::size_t expectedBytes) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(port);
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  const int fd = fsdp::testing::connectLoopback(port);
+  EXPECT_GE(fd, 0);
   const std::uint8_t watch[] = {7, 2, 0, 0, 0, 0, 0, 0, 0, '/', 'k'};
   EXPECT_EQ(::write(fd, watch, sizeof(watch)), static_cast<ssize_t>(sizeof(watch)));
-  std::vector<std::uint8_t> received(1);
-  timeval tv{5, 0};
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  EXPECT_EQ(::read(fd, received.data(), 1), 1);  // KEY_CALLBACK_REGISTERED, before any write
+  auto received = fsdp::testing::readUpTo(fd, 1);
+  EXPECT_EQ(received.size(), 1u);  // KEY_CALLBACK_REGISTERED, before any write
   auto writer = client(port);
   writer->set("k", bytes("v1"));
   writer->set("k", bytes("5"));

@@ -12,6 +12,7 @@
 #include "fsdp/common/error.hpp"
 #include "fsdp/rendezvous/store_client.hpp"
 #include "fsdp/rendezvous/store_server.hpp"
+#include "raw_socket.hpp"
 
 namespace fsdp::rendezvous {
 namespace {
@@ -20,18 +21,11 @@ using namespace std::chrono_literals;
 
 // Sends `bytes` on a fresh connection, then reads until the server closes it (bounded).
 void attack(std::uint16_t port, const std::vector<std::uint8_t>& bytes) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(port);
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-    [[maybe_unused]] auto n = ::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
-    timeval tv{0, 300000};
-    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    char buf[256];
-    while (::read(fd, buf, sizeof(buf)) > 0) {
-    }
+  const int fd = fsdp::testing::connectLoopback(port, 300ms);
+  if (fd < 0) return;
+  [[maybe_unused]] auto n = ::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
+  char buf[256];
+  while (::read(fd, buf, sizeof(buf)) > 0) {
   }
   ::close(fd);
 }

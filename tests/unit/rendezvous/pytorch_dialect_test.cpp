@@ -13,6 +13,7 @@
 
 #include "fsdp/rendezvous/store_client.hpp"
 #include "fsdp/rendezvous/store_server.hpp"
+#include "raw_socket.hpp"
 
 namespace fsdp::rendezvous {
 namespace {
@@ -62,31 +63,15 @@ Bytes request(std::uint8_t op, std::initializer_list<Bytes> fields) {
 class CurrentDialectTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(server_.port());
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    ASSERT_EQ(::connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-    timeval tv{5, 0};
-    ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    fd_ = fsdp::testing::connectLoopback(server_.port());
+    ASSERT_GE(fd_, 0);
   }
   void TearDown() override { ::close(fd_); }
 
   void send(const Bytes& bytes) {
     ASSERT_EQ(::write(fd_, bytes.data(), bytes.size()), static_cast<ssize_t>(bytes.size()));
   }
-  Bytes read(std::size_t n) {
-    Bytes out(n);
-    std::size_t got = 0;
-    while (got < n) {
-      const ssize_t r = ::read(fd_, out.data() + got, n - got);
-      if (r <= 0) break;
-      got += static_cast<std::size_t>(r);
-    }
-    out.resize(got);
-    return out;
-  }
+  Bytes read(std::size_t n) { return fsdp::testing::readUpTo(fd_, n); }
   // Whether the server sent nothing more within a short while.
   bool quiet() {
     timeval shortWait{0, 100000};

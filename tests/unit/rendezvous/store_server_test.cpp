@@ -10,6 +10,7 @@
 #include "fsdp/common/error.hpp"
 #include "fsdp/rendezvous/store_client.hpp"
 #include "fsdp/rendezvous/store_server.hpp"
+#include "raw_socket.hpp"
 
 namespace fsdp::rendezvous {
 namespace {
@@ -23,12 +24,8 @@ class StoreServerTest : public ::testing::Test {
   }
   // A raw TCP connection for sending malformed bytes.
   int rawSocket() {
-    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(server_.port());
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    const int fd = fsdp::testing::connectLoopback(server_.port());
+    EXPECT_GE(fd, 0);
     return fd;
   }
   StoreServer server_{ServerOptions{.frameTimeout = 500ms}};

@@ -12,6 +12,7 @@
 #include "fsdp/rendezvous/kv_store.hpp"
 #include "fsdp/rendezvous/store_client.hpp"
 #include "fsdp/rendezvous/store_server.hpp"
+#include "raw_socket.hpp"
 
 namespace fsdp::rendezvous {
 namespace {
@@ -259,29 +260,15 @@ class LegacyWatchKeyTest : public StoreWatchTest {
     return out;
   }
   int connectRaw() {
-    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(server_.port());
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-    timeval tv{5, 0};
-    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    const int fd = fsdp::testing::connectLoopback(server_.port());
+    EXPECT_GE(fd, 0);
     return fd;
   }
   static void sendAll(int fd, const std::vector<std::uint8_t>& bytes) {
     ASSERT_EQ(::write(fd, bytes.data(), bytes.size()), static_cast<ssize_t>(bytes.size()));
   }
   static std::vector<std::uint8_t> readExactly(int fd, std::size_t n) {
-    std::vector<std::uint8_t> out(n);
-    std::size_t got = 0;
-    while (got < n) {
-      const ssize_t r = ::read(fd, out.data() + got, n - got);
-      if (r <= 0) break;
-      got += static_cast<std::size_t>(r);
-    }
-    out.resize(got);
-    return out;
+    return fsdp::testing::readUpTo(fd, n);
   }
   static std::vector<std::uint8_t> watchKey(const std::string& key) {
     std::vector<std::uint8_t> out{7};
