@@ -22,7 +22,7 @@ void KvStore::write(const std::string& key, std::string value, ChangeKind ifPres
   }
   bytes_ += value.size();
   it->second.revision = ++revision_;
-  if (observersByKey_.contains(key)) {
+  if (!observersByKey_.empty() && observersByKey_.contains(key)) {
     // Only observed keys pay for keeping the old value.
     const std::string oldValue = std::exchange(it->second.value, std::move(value));
     tell(inserted ? ChangeKind::kCreated : ifPresent, key, oldValue, it->second.value);
@@ -43,7 +43,7 @@ void KvStore::erased(const std::string& key, const std::string& oldValue) {
   }
   tombstones_[key] = revision_;
   tombstoneBytes_ += key.size();
-  if (observersByKey_.contains(key)) tell(ChangeKind::kDeleted, key, oldValue, {});
+  if (!observersByKey_.empty()) tell(ChangeKind::kDeleted, key, oldValue, {});
   notify(key);
 }
 
@@ -109,12 +109,19 @@ bool KvStore::remove(const std::string& key) {
 }
 
 std::size_t KvStore::removePrefix(const std::string& prefix) {
-  std::vector<std::string> doomed;
-  for (const auto& [key, entry] : data_) {
-    if (key.starts_with(prefix)) doomed.push_back(key);
+  // erased() touches tombstones, observers and waiters, never data_: extracting in place is safe.
+  std::size_t removed = 0;
+  for (auto it = data_.begin(); it != data_.end();) {
+    if (!it->first.starts_with(prefix)) {
+      ++it;
+      continue;
+    }
+    auto node = data_.extract(it++);
+    bytes_ -= node.key().size() + node.mapped().value.size();
+    erased(node.key(), node.mapped().value);
+    ++removed;
   }
-  for (const auto& key : doomed) remove(key);
-  return doomed.size();
+  return removed;
 }
 
 std::optional<KeyChange> KvStore::changeSince(const std::vector<std::string>& keys,

@@ -123,21 +123,22 @@ class Session : public std::enable_shared_from_this<Session> {
   // leaves at once, held replies first.
   void send(std::vector<std::uint8_t> frame) {
     if (closed_) return;
-    if (holding_) {
-      held_.insert(held_.end(), frame.begin(), frame.end());
+    if (held_.empty()) {
+      if (holding_) {
+        held_ = std::move(frame);
+      } else {
+        write(std::move(frame));
+      }
       return;
     }
-    if (!held_.empty()) {
-      frame.insert(frame.begin(), held_.begin(), held_.end());
-      held_.clear();
-    }
-    write(std::move(frame));
+    held_.insert(held_.end(), frame.begin(), frame.end());
+    if (!holding_) write(std::exchange(held_, {}));
   }
 
   // Sends what the reader held; from now on, sends leave at once.
   void release() {
     holding_ = false;
-    if (!held_.empty()) send({});
+    if (!held_.empty()) write(std::exchange(held_, {}));
   }
 
   // Closes once everything queued has been written.
@@ -461,11 +462,6 @@ class Session : public std::enable_shared_from_this<Session> {
       }
       if (resp) co_return std::move(*resp);
       if (asio::steady_timer::clock_type::now() >= deadline) {
-        if (req.op == Op::kWatch) {
-          // Nothing changed up to now: the caller may wait on from the run's revision.
-          co_return Response{
-              Status::kTimeout, static_cast<std::int64_t>(run.store.revision()), {}, {}};
-        }
         Response timeout{Status::kTimeout, 0, {}, {}};
         for (const auto& key : req.keys) {
           if (!run.store.contains(key)) timeout.value += (timeout.value.empty() ? "" : ", ") + key;
@@ -484,7 +480,7 @@ class Session : public std::enable_shared_from_this<Session> {
   void bind() { run_ = &server_.bindRun(runId_); }
 
   void finish() {
-    release();
+    release();  // a held reply may still leave (and start the writer) before the close
     if (writing_) {
       closeAfterFlush();  // let a queued goodbye (an error reply) leave first
     } else {

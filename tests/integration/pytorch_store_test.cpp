@@ -1,7 +1,6 @@
 // PyTorch's own store clients against fsdprun-rdzv: LibTorch 1.13's c10d::TCPStore (C++) and
 // python3-torch's torch.distributed.TCPStore, over loopback.
 #include <gtest/gtest.h>
-#include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -194,14 +193,10 @@ std::vector<std::uint8_t> watchBytes(std::uint16_t port, std::size_t expectedByt
   // Read until `expectedBytes` came or nothing more comes for a second: c10d's server sends
   // the empty new value of a deletion with MSG_MORE and nothing after it, so those last 8
   // bytes leave its kernel only when the cork times out (about 200 ms later).
-  std::uint8_t buf[4096];
   timeval shortWait{1, 0};
   ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &shortWait, sizeof(shortWait));
-  while (received.size() < expectedBytes) {
-    const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
-    if (n <= 0) break;
-    received.insert(received.end(), buf, buf + n);
-  }
+  const auto rest = fsdp::testing::readUpTo(fd, expectedBytes - received.size());
+  received.insert(received.end(), rest.begin(), rest.end());
   ::close(fd);
   return received;
 }

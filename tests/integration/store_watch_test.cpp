@@ -1,11 +1,16 @@
 // waitForChange through a real fsdprun-rdzv process on loopback.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <fstream>
 #include <future>
+#include <latch>
+#include <thread>
 
 #include "fsdp/common/error.hpp"
+#include "fsdp/rendezvous/protocol.hpp"
 #include "fsdp/rendezvous/store_client.hpp"
+#include "raw_socket.hpp"
 #include "rdzv_daemon.hpp"
 #include "run_command.hpp"
 
@@ -66,13 +71,18 @@ TEST(StoreWatch, ManyWatchersAreAllWokenByOneWrite) {
   auto writer = StoreClient::connect("127.0.0.1", daemon.port());
   const std::uint64_t since = writer->revision();
   std::vector<std::future<std::optional<KeyChange>>> watchers;
+  std::latch connected(kWatchers);
   for (int i = 0; i < kWatchers; ++i) {
     watchers.push_back(std::async(std::launch::async, [&] {
       auto c = StoreClient::connect("127.0.0.1", daemon.port());
+      connected.count_down();
       return c->waitForChange({"go"}, since, 10s);
     }));
   }
-  // Whether a watcher is parked yet or connects after the write, it sees the same change.
+  // Every watcher connected, and given the time to send its WATCH and be parked server side:
+  // the write wakes them (one arriving later would be answered at once, with the same change).
+  connected.wait();
+  std::this_thread::sleep_for(200ms);
   writer->set("go", "now");
   for (auto& w : watchers) {
     const auto change = w.get();
@@ -93,6 +103,31 @@ TEST(StoreWatch, AJobTokenGuardsWatchesLikeEveryOtherRequest) {
   EXPECT_EQ(member->waitForChange({"k"}, 0, 1s)->value, "v");
   auto stranger = StoreClient::connect("127.0.0.1", daemon.port(), {.runId = "job"});
   EXPECT_THROW(stranger->waitForChange({"k"}, 0, 1s), fsdp::ConfigError);
+  // Our client gives up on the HELLO reply alone; on the wire, a WATCH sent without proving
+  // the token gets the challenge, then "not authenticated" and the connection closed, never
+  // a change.
+  namespace rdzv = fsdp::rendezvous;
+  auto bytes = rdzv::encodeRequest({.op = rdzv::Op::kHello, .keys = {"job"}});
+  const auto watch =
+      rdzv::encodeRequest({.op = rdzv::Op::kWatch, .keys = {"k"}, .number = 0, .timeoutMs = 1000});
+  bytes.insert(bytes.end(), watch.begin(), watch.end());
+  const int fd = fsdp::testing::connectLoopback(daemon.port());
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::write(fd, bytes.data(), bytes.size()), static_cast<ssize_t>(bytes.size()));
+  const auto readReply = [fd](rdzv::Op expected) {
+    const auto header = fsdp::testing::readUpTo(fd, rdzv::kHeaderSize);
+    EXPECT_EQ(header.size(), rdzv::kHeaderSize);
+    if (header.size() != rdzv::kHeaderSize) return rdzv::Response{};
+    const auto h = rdzv::decodeHeader(header, {});
+    EXPECT_EQ(h.op, expected);
+    return rdzv::decodeResponse(fsdp::testing::readUpTo(fd, h.bodyLength), {});
+  };
+  EXPECT_EQ(readReply(rdzv::Op::kHello).number, 1) << "the server must ask for the token";
+  const auto refused = readReply(rdzv::Op::kWatch);
+  EXPECT_EQ(refused.status, rdzv::Status::kError);
+  EXPECT_NE(refused.value.find("not authenticated"), std::string::npos) << refused.value;
+  EXPECT_TRUE(fsdp::testing::readUpTo(fd, 1).empty()) << "the connection must close";
+  ::close(fd);
 }
 
 }  // namespace

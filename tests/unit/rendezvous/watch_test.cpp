@@ -1,7 +1,6 @@
 // Change notification: revisions and observers of the KvStore, waitForChange through a real
 // server, and PyTorch 1.13's WATCH_KEY on the wire.
 #include <gtest/gtest.h>
-#include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -267,9 +266,6 @@ class LegacyWatchKeyTest : public StoreWatchTest {
   static void sendAll(int fd, const std::vector<std::uint8_t>& bytes) {
     ASSERT_EQ(::write(fd, bytes.data(), bytes.size()), static_cast<ssize_t>(bytes.size()));
   }
-  static std::vector<std::uint8_t> readExactly(int fd, std::size_t n) {
-    return fsdp::testing::readUpTo(fd, n);
-  }
   static std::vector<std::uint8_t> watchKey(const std::string& key) {
     std::vector<std::uint8_t> out{7};
     const auto field = str(key);
@@ -281,7 +277,7 @@ class LegacyWatchKeyTest : public StoreWatchTest {
 TEST_F(LegacyWatchKeyTest, EveryChangeOfTheKeyIsPushedAsC10dsServerPushesIt) {
   const int fd = connectRaw();
   sendAll(fd, watchKey("/k"));
-  EXPECT_EQ(readExactly(fd, 1), std::vector<std::uint8_t>({3}));  // KEY_CALLBACK_REGISTERED
+  EXPECT_EQ(fsdp::testing::readUpTo(fd, 1), std::vector<std::uint8_t>({3}));  // KEY_CALLBACK_REGISTERED
   auto writer = client();  // the default run: the one PyTorch clients see
   const std::vector<std::vector<std::uint8_t>> expected = {
       update(1, "/k", "", "v1"),    // created
@@ -299,7 +295,7 @@ TEST_F(LegacyWatchKeyTest, EveryChangeOfTheKeyIsPushedAsC10dsServerPushesIt) {
   writer->compareSet("/k", "7ab", "z");
   writer->set("/other", "x");  // not watched
   writer->remove("/k");
-  for (const auto& bytes : expected) EXPECT_EQ(readExactly(fd, bytes.size()), bytes);
+  for (const auto& bytes : expected) EXPECT_EQ(fsdp::testing::readUpTo(fd, bytes.size()), bytes);
   // Nothing else came.
   writer->ping();
   timeval shortWait{0, 100000};
@@ -316,11 +312,11 @@ TEST_F(LegacyWatchKeyTest, AKeyWatchedTwiceIsToldTwiceAsByC10d) {
   const int fd = connectRaw();
   sendAll(fd, watchKey("/k"));
   sendAll(fd, watchKey("/k"));
-  EXPECT_EQ(readExactly(fd, 2), std::vector<std::uint8_t>({3, 3}));
+  EXPECT_EQ(fsdp::testing::readUpTo(fd, 2), std::vector<std::uint8_t>({3, 3}));
   client()->set("/k", "v");
   const auto once = update(1, "/k", "", "v");
-  EXPECT_EQ(readExactly(fd, once.size()), once);
-  EXPECT_EQ(readExactly(fd, once.size()), once);
+  EXPECT_EQ(fsdp::testing::readUpTo(fd, once.size()), once);
+  EXPECT_EQ(fsdp::testing::readUpTo(fd, once.size()), once);
   ::close(fd);
 }
 
@@ -328,12 +324,8 @@ TEST(StoreServerStop, WatchersAndWaitersStillConnectedDoNotOutliveTheirStore) {
   // Their connections' cleanup runs when the server's event loop is torn down, and must find
   // their run's store alive (an ASan build checks).
   auto server = std::make_unique<StoreServer>(ServerOptions{});
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(server->port());
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  const int fd = fsdp::testing::connectLoopback(server->port());
+  ASSERT_GE(fd, 0);
   const std::uint8_t watch[] = {7, 2, 0, 0, 0, 0, 0, 0, 0, '/', 'k'};
   ASSERT_EQ(::write(fd, watch, sizeof(watch)), static_cast<ssize_t>(sizeof(watch)));
   std::uint8_t registered = 0;

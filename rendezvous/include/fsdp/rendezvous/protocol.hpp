@@ -51,7 +51,7 @@ enum class Op : std::uint8_t {
                     // with a RUN_FINISHED event once every member has said so)
   kWatch = 21,      // number = revision seen; answered (server side, like WAIT) once one of keys
                     // changed after it, or timeout_ms passed: value = key, values = {value now}
-                    // or {} when deleted, number = that change's revision (on timeout: the run's)
+                    // or {} when deleted, number = that change's revision
   kRevision = 22,   // reply number = the run's revision (see KvStore::revision)
 };
 inline constexpr std::uint8_t kMaxOp = 22;
