@@ -7,6 +7,7 @@
 #include <sched.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -258,6 +259,12 @@ std::string describeWaitStatus(int status) {
     return "signal " + signalName(sig) + " (" + std::to_string(sig) + ")";
   }
   return "wait status " + std::to_string(status);
+}
+
+double peakRssMb() {
+  rusage usage{};
+  ::getrusage(RUSAGE_SELF, &usage);
+  return static_cast<double>(usage.ru_maxrss) / 1024.0;
 }
 
 std::vector<std::string> currentEnvironment() {

@@ -1,23 +1,18 @@
 #pragma once
 // Small pieces every example prints in its summary line.
-#include <sys/resource.h>
-
 #include <span>
 #include <string>
 
 #include <CLI/CLI.hpp>
 
+#include "fsdp/common/process.hpp"
 #include "fsdp/common/sha256.hpp"
 #include "fsdp/worker/fsdp.hpp"
 #include "fsdp/worker/runtime.hpp"
 
 namespace fsdp::examples {
 
-inline double peakRssMb() {
-  rusage usage{};
-  ::getrusage(RUSAGE_SELF, &usage);
-  return static_cast<double>(usage.ru_maxrss) / 1024.0;
-}
+using fsdp::peakRssMb;
 
 // SHA-256 over every parameter's name and fp32 bytes, in the model's order, gathered from
 // the shards (collective: every rank calls it). Equal hashes mean bit-identical weights.

@@ -47,6 +47,19 @@ TEST(MnistFsdp, FullShardAndShardGradOpTrainToTheSameBits) {
   EXPECT_EQ(full["sharding"], "FULL_SHARD");
 }
 
+TEST(MnistFsdp, GradientAccumulationMatchesTheWholeGlobalBatch) {
+  if (!haveFashionMnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  // Two micro-batches per rank (the first under noSync) against one: the same global batch
+  // and the same mean gradient, so the same model up to float rounding.
+  const auto whole = trainMnist(2, "FULL_SHARD", {"--model", "shallow"});
+  const auto split = trainMnist(2, "FULL_SHARD", {"--model", "shallow", "--grad_accumulation", "2"});
+  ASSERT_FALSE(whole.is_null());
+  ASSERT_FALSE(split.is_null());
+  EXPECT_NEAR(split["test_loss"].get<double>(), whole["test_loss"].get<double>(), 1e-4)
+      << whole.dump() << "\n" << split.dump();
+  EXPECT_NEAR(split["test_accuracy"].get<double>(), whole["test_accuracy"].get<double>(), 2e-3);
+}
+
 TEST(MnistFsdp, NoShardHybridShardAndBf16Train) {
   if (!haveFashionMnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
   for (const auto& [ranks, sharding, precision] :

@@ -50,6 +50,19 @@ bool isStepDirName(const std::string& name) {
          std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; });
 }
 
+// The committed checkpoints of `dir`, oldest first (the names sort by step).
+std::vector<std::string> completeCheckpoints(const std::string& dir) {
+  std::error_code ec;
+  std::vector<std::string> complete;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    if (isStepDirName(entry.path().filename().string()) && fs::exists(entry.path() / "COMMIT")) {
+      complete.push_back(entry.path().string());
+    }
+  }
+  std::sort(complete.begin(), complete.end());
+  return complete;
+}
+
 std::string rankFileName(int rank) {
   char name[32];
   std::snprintf(name, sizeof(name), "rank_%05d.bin", rank);
@@ -82,8 +95,6 @@ class File {
   }
   File(const File&) = delete;
   File& operator=(const File&) = delete;
-  int fd() const { return fd_; }
-  const std::string& path() const { return path_; }
   void writeAll(const void* data, std::size_t n) {
     const auto* p = static_cast<const char*>(data);
     while (n > 0) {
@@ -125,7 +136,7 @@ void syncDirectory(const std::string& path) {
   dir.sync();
 }
 
-void writeFileDurably(const std::string& path, const std::string& text) {
+void writeFileDurably(const std::string& path, std::string_view text) {
   File f(path, O_WRONLY | O_CREAT | O_TRUNC);
   f.writeAll(text.data(), text.size());
   f.sync();
@@ -180,18 +191,17 @@ std::optional<OptimizerState> readState(torch::optim::Optimizer& o, const std::s
   const auto put = [&out](const char* name, const at::Tensor& t) {
     if (t.defined()) out.tensors[name] = t;
   };
+  // Adam's and AdamW's states are unrelated types with the same fields.
+  const auto adamLike = [&](const auto& s) {
+    out.scalars["step"] = s.step();
+    put("exp_avg", s.exp_avg());
+    put("exp_avg_sq", s.exp_avg_sq());
+    put("max_exp_avg_sq", s.max_exp_avg_sq());
+  };
   if (kind == "adam") {
-    const auto& s = static_cast<const torch::optim::AdamParamState&>(*it->second);
-    out.scalars["step"] = s.step();
-    put("exp_avg", s.exp_avg());
-    put("exp_avg_sq", s.exp_avg_sq());
-    put("max_exp_avg_sq", s.max_exp_avg_sq());
+    adamLike(static_cast<const torch::optim::AdamParamState&>(*it->second));
   } else if (kind == "adamw") {
-    const auto& s = static_cast<const torch::optim::AdamWParamState&>(*it->second);
-    out.scalars["step"] = s.step();
-    put("exp_avg", s.exp_avg());
-    put("exp_avg_sq", s.exp_avg_sq());
-    put("max_exp_avg_sq", s.max_exp_avg_sq());
+    adamLike(static_cast<const torch::optim::AdamWParamState&>(*it->second));
   } else if (kind == "sgd") {
     put("momentum_buffer", static_cast<const torch::optim::SGDParamState&>(*it->second).momentum_buffer());
   } else if (kind == "rmsprop") {
@@ -219,16 +229,15 @@ void writeState(torch::optim::Optimizer& o, const std::string& kind, const at::T
     return it == st.scalars.end() ? 0 : it->second;
   };
   std::unique_ptr<torch::optim::OptimizerParamState> state;
+  const auto adamLike = [&](auto s) {
+    s->step(scalar("step")).exp_avg(get("exp_avg")).exp_avg_sq(get("exp_avg_sq"));
+    if (get("max_exp_avg_sq").defined()) s->max_exp_avg_sq(get("max_exp_avg_sq"));
+    state = std::move(s);
+  };
   if (kind == "adam") {
-    auto s = std::make_unique<torch::optim::AdamParamState>();
-    s->step(scalar("step")).exp_avg(get("exp_avg")).exp_avg_sq(get("exp_avg_sq"));
-    if (get("max_exp_avg_sq").defined()) s->max_exp_avg_sq(get("max_exp_avg_sq"));
-    state = std::move(s);
+    adamLike(std::make_unique<torch::optim::AdamParamState>());
   } else if (kind == "adamw") {
-    auto s = std::make_unique<torch::optim::AdamWParamState>();
-    s->step(scalar("step")).exp_avg(get("exp_avg")).exp_avg_sq(get("exp_avg_sq"));
-    if (get("max_exp_avg_sq").defined()) s->max_exp_avg_sq(get("max_exp_avg_sq"));
-    state = std::move(s);
+    adamLike(std::make_unique<torch::optim::AdamWParamState>());
   } else if (kind == "sgd") {
     auto s = std::make_unique<torch::optim::SGDParamState>();
     s->momentum_buffer(get("momentum_buffer"));
@@ -362,6 +371,12 @@ Manifest readManifest(const std::string& path) {
   return m;
 }
 
+// The optimizer state tensors a checkpoint holds per flat parameter (none without an optimizer).
+std::vector<std::string> optimizerStateNames(const Manifest& m) {
+  if (m.optimizerKind.empty()) return {};
+  return m.meta["optimizer"].at("state").get<std::vector<std::string>>();
+}
+
 // Reads ranges of a checkpoint's data, opening each rank file once and checking its size.
 class Reader {
  public:
@@ -384,15 +399,25 @@ class Reader {
     return *slot;
   }
 
-  // Reads a whole block, checking its CRC.
-  std::vector<char> block(int fileIndex, const Block& b) {
-    std::vector<char> data(b.bytes);
-    file(fileIndex).readAt(data.data(), data.size(), b.offset);
-    if (crc32Of(data.data(), data.size()) != b.crc) {
-      throw ConfigError("checkpoint file " + m_.path + "/" + rankFileName(fileIndex) + ": block '" +
-                        b.what + "' at byte " + std::to_string(b.offset) + " fails its CRC-32 check (corrupt)");
+  // Reads a whole block into dst (`bytes` long, which must be the block's size), checking its
+  // CRC.
+  void blockInto(int fileIndex, const Block& b, void* dst, std::size_t bytes) {
+    const std::string where = "checkpoint file " + m_.path + "/" + rankFileName(fileIndex) + ": block '" + b.what + "'";
+    if (bytes != b.bytes) {
+      throw ConfigError(where + " has " + std::to_string(b.bytes) + " bytes where " + std::to_string(bytes) +
+                        " are expected (its metadata does not match the data)");
     }
-    return data;
+    file(fileIndex).readAt(dst, bytes, b.offset);
+    if (crc32Of(dst, bytes) != b.crc) {
+      throw ConfigError(where + " at byte " + std::to_string(b.offset) + " fails its CRC-32 check (corrupt)");
+    }
+  }
+
+  // A whole block as a new CPU tensor of `shape` and `dtype`.
+  at::Tensor blockTensor(int fileIndex, const Block& b, at::IntArrayRef shape, at::ScalarType dtype) {
+    auto t = at::empty(shape, at::TensorOptions().dtype(dtype));
+    blockInto(fileIndex, b, t.data_ptr(), static_cast<std::size_t>(t.numel()) * t.element_size());
+    return t;
   }
 
   // Fills dst (contiguous, elements of `elementBytes`) with elements [start, start + n) of flat
@@ -409,8 +434,7 @@ class Reader {
         char* out = dst + static_cast<std::size_t>(lo - start) * elementBytes;
         const std::size_t bytes = static_cast<std::size_t>(hi - lo) * elementBytes;
         if (lo == b.start && hi == b.start + b.count) {
-          const auto data = block(fi, b);  // whole block: CRC checked
-          std::memcpy(out, data.data(), bytes);
+          blockInto(fi, b, out, bytes);  // whole block: CRC checked
         } else {
           file(fi).readAt(out, bytes, b.offset + static_cast<std::uint64_t>(lo - b.start) * elementBytes);
         }
@@ -438,12 +462,10 @@ class Reader {
 // The module buffers rank 0 saved, by name.
 std::map<std::string, at::Tensor> readBuffers(Reader& reader, const Manifest& m) {
   std::map<std::string, at::Tensor> buffers;
-  for (const auto& b : m.blocks.empty() ? std::vector<Block>{} : m.blocks[0]) {
+  if (m.blocks.empty()) return buffers;
+  for (const auto& b : m.blocks[0]) {
     if (!b.what.starts_with("buffer/")) continue;
-    const auto data = reader.block(0, b);
-    auto t = at::empty(b.shape, at::TensorOptions().dtype(parseDtype(b.dtype, m.path)));
-    std::memcpy(t.data_ptr(), data.data(), data.size());
-    buffers[b.what.substr(7)] = t;
+    buffers[b.what.substr(7)] = reader.blockTensor(0, b, b.shape, parseDtype(b.dtype, m.path));
   }
   return buffers;
 }
@@ -452,11 +474,7 @@ std::map<std::string, at::Tensor> readBuffers(Reader& reader, const Manifest& m)
 void writePickle(const c10::Dict<std::string, at::Tensor>& dict, const std::string& path) {
   const auto bytes = torch::pickle_save(c10::IValue(dict));
   const std::string tmp = path + ".tmp";
-  {
-    File out(tmp, O_WRONLY | O_CREAT | O_TRUNC);
-    out.writeAll(bytes.data(), bytes.size());
-    out.sync();
-  }
+  writeFileDurably(tmp, {bytes.data(), bytes.size()});
   std::error_code ec;
   fs::rename(tmp, path, ec);
   if (ec) throw Error("renaming " + tmp + " to " + path + ": " + ec.message());
@@ -541,8 +559,8 @@ struct RankPlan {
 };
 
 void addBlock(RankPlan& plan, Block b, at::Tensor data, bool copy) {
-  data = data.to(at::kCPU).contiguous();
-  if (copy) data = data.clone();
+  // One copy at most: a device tensor's copy to the host is already the snapshot.
+  data = data.to(at::kCPU, data.scalar_type(), /*non_blocking=*/false, /*copy=*/copy).contiguous();
   b.bytes = static_cast<std::uint64_t>(data.numel()) * data.element_size();
   if (b.dtype.empty()) b.dtype = dtypeName(data.scalar_type());
   plan.blocks.push_back(std::move(b));
@@ -583,17 +601,17 @@ void commit(const std::string& dir, const std::string& tmp, const std::string& f
   fs::rename(tmp, final, ec);
   if (ec) throw Error("checkpoint: renaming " + tmp + " to " + final + ": " + ec.message());
   syncDirectory(dir);
-  // Older attempts' unfinished directories, and complete checkpoints beyond `keep`.
-  std::vector<std::string> complete;
+  // Unfinished directories of this step or older ones (earlier attempts). Newer ones stay:
+  // with asynchronous saves, another rank may already be writing the next step.
+  const std::string committed = fs::path(final).filename().string();
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
     const std::string name = entry.path().filename().string();
-    if (name.starts_with(".step_") && entry.path().string() != tmp) {
+    if (name.starts_with(".step_") && name.substr(1, committed.size()) <= committed) {
       fs::remove_all(entry.path(), ec);
-    } else if (isStepDirName(name) && fs::exists(entry.path() / "COMMIT")) {
-      complete.push_back(entry.path().string());
     }
   }
-  std::sort(complete.begin(), complete.end());
+  // Complete checkpoints beyond `keep`.
+  const auto complete = completeCheckpoints(dir);
   if (keep > 0 && static_cast<int>(complete.size()) > keep) {
     for (std::size_t i = 0; i + static_cast<std::size_t>(keep) < complete.size(); ++i) {
       fs::remove_all(complete[i], ec);
@@ -786,12 +804,22 @@ std::optional<TrainingProgress> Checkpointer::loadLatest(FullyShardedDataParalle
   std::map<std::string, at::Tensor> buffers;
   std::optional<at::Tensor> rng;
   std::optional<Manifest> manifest;
+  TrainingProgress progress;
+  std::vector<double> groupLrs;
   std::string failure;
   at::NoGradGuard noGrad;
   try {
     manifest.emplace(readManifest(path));
     const Manifest& m = *manifest;
     checkModelFits(m, layout);
+    progress.step = m.meta.at("step").get<std::int64_t>();
+    progress.position = {m.meta.at("epoch").get<int>(), m.meta.at("step_in_epoch").get<std::int64_t>()};
+    progress.seed = m.meta.at("seed").get<std::uint64_t>();
+    progress.extraJson = m.meta.value("extra", json::object()).dump();
+    if (m.meta.contains("optimizer") && m.meta["optimizer"].is_object() &&
+        m.meta["optimizer"].contains("param_groups")) {
+      for (const auto& group : m.meta["optimizer"]["param_groups"]) groupLrs.push_back(group.at("lr").get<double>());
+    }
     if (optimizer != nullptr) {
       kind = optimizerKind(*optimizer);
       if (!m.optimizerKind.empty() && m.optimizerKind != kind) {
@@ -800,9 +828,7 @@ std::optional<TrainingProgress> Checkpointer::loadLatest(FullyShardedDataParalle
       }
     }
     Reader reader(m);
-    const auto stateNames = m.optimizerKind.empty() || optimizer == nullptr
-                                ? std::vector<std::string>{}
-                                : m.meta["optimizer"].at("state").get<std::vector<std::string>>();
+    const auto stateNames = optimizer == nullptr ? std::vector<std::string>{} : optimizerStateNames(m);
     for (const auto& flat : layout.flats) {
       auto values = at::zeros_like(flat.shard.detach(), at::TensorOptions().device(at::kCPU));
       fillShard(reader, m, flat, "param", values);
@@ -828,10 +854,7 @@ std::optional<TrainingProgress> Checkpointer::loadLatest(FullyShardedDataParalle
     if (m.meta.at("world_size").get<int>() == runtime_.worldSize() && runtime_.rank() < m.files) {
       for (const auto& b : m.blocks[static_cast<std::size_t>(runtime_.rank())]) {
         if (b.what != "rng/cpu") continue;
-        const auto data = reader.block(runtime_.rank(), b);
-        auto t = at::empty({static_cast<std::int64_t>(data.size())}, at::kByte);
-        std::memcpy(t.data_ptr(), data.data(), data.size());
-        rng = t;
+        rng = reader.blockTensor(runtime_.rank(), b, {static_cast<std::int64_t>(b.bytes)}, at::kByte);
       }
     }
   } catch (const Error& e) {  // ConfigError, and I/O errors: either way the load is refused
@@ -847,7 +870,6 @@ std::optional<TrainingProgress> Checkpointer::loadLatest(FullyShardedDataParalle
     if (failure.empty()) failure = runtime_.store().get(errorKey);
     throw ConfigError(failure);
   }
-  const Manifest& m = *manifest;
 
   // All read and checked: now change the model, the optimizer, the RNG.
   for (std::size_t f = 0; f < layout.flats.size(); ++f) {
@@ -858,18 +880,10 @@ std::optional<TrainingProgress> Checkpointer::loadLatest(FullyShardedDataParalle
     const auto it = buffers.find(item.key());
     if (it != buffers.end()) item.value().detach().copy_(it->second);
   }
-  if (optimizer != nullptr && m.meta["optimizer"].is_object() && m.meta["optimizer"].contains("param_groups")) {
-    const auto& groups = m.meta["optimizer"]["param_groups"];
+  if (optimizer != nullptr) {
     auto& mine = optimizer->param_groups();
-    for (std::size_t g = 0; g < std::min(groups.size(), mine.size()); ++g) {
-      mine[g].options().set_lr(groups[g].at("lr").get<double>());
-    }
+    for (std::size_t g = 0; g < std::min(groupLrs.size(), mine.size()); ++g) mine[g].options().set_lr(groupLrs[g]);
   }
-  TrainingProgress progress;
-  progress.step = m.meta.at("step").get<std::int64_t>();
-  progress.position = {m.meta.at("epoch").get<int>(), m.meta.at("step_in_epoch").get<std::int64_t>()};
-  progress.seed = m.meta.at("seed").get<std::uint64_t>();
-  progress.extraJson = m.meta.value("extra", json::object()).dump();
   if (rng) {
     at::Generator generator = at::detail::getDefaultCPUGenerator();  // a handle to the default
     std::scoped_lock lock(generator.mutex());
@@ -884,10 +898,10 @@ void saveFullCheckpoint(Runtime& runtime, FullyShardedDataParallel& model, const
   c10::Dict<std::string, at::Tensor> dict;
   const bool writer = runtime.rank() == 0;
   model->visitFullParameters([&](const std::string& name, const at::Tensor& full) {
-    if (writer) dict.insert(name, full.to(at::kCPU).clone());
+    if (writer) dict.insert(name, full.to(at::kCPU, full.scalar_type(), false, /*copy=*/true));
   });
   if (writer) {
-    for (const auto& item : model->module()->named_buffers()) dict.insert(item.key(), item.value().to(at::kCPU).clone());
+    for (const auto& item : model->module()->named_buffers()) dict.insert(item.key(), item.value().to(at::kCPU, item.value().scalar_type(), false, /*copy=*/true));
     writePickle(dict, path);
   }
   runtime.comm().barrier().wait();
@@ -896,14 +910,9 @@ void saveFullCheckpoint(Runtime& runtime, FullyShardedDataParallel& model, const
 // ---- offline tools ------------------------------------------------------------------------
 
 std::optional<std::string> newestCheckpoint(const std::string& dir) {
-  std::error_code ec;
-  std::vector<std::string> complete;
-  for (const auto& entry : fs::directory_iterator(dir, ec)) {
-    const std::string n = entry.path().filename().string();
-    if (isStepDirName(n) && fs::exists(entry.path() / "COMMIT")) complete.push_back(entry.path().string());
-  }
+  const auto complete = completeCheckpoints(dir);
   if (complete.empty()) return std::nullopt;
-  return *std::max_element(complete.begin(), complete.end());
+  return complete.back();
 }
 
 std::string inspectCheckpoint(const std::string& path) {
@@ -913,7 +922,9 @@ std::string inspectCheckpoint(const std::string& path) {
   std::int64_t elements = 0;
   for (int f = 0; f < m.files; ++f) {
     reader.file(f);  // size check
-    for (const auto& b : m.blocks[static_cast<std::size_t>(f)]) reader.block(f, b);  // CRC check
+    for (const auto& b : m.blocks[static_cast<std::size_t>(f)]) {
+      reader.blockTensor(f, b, {static_cast<std::int64_t>(b.bytes)}, at::kByte);  // CRC check
+    }
     bytes += m.fileBytes[static_cast<std::size_t>(f)];
   }
   for (const auto& [name, p] : m.params) elements += p.numel;
@@ -960,8 +971,8 @@ void reshardCheckpoint(const std::string& path, const std::string& outDir, int w
   fs::remove_all(tmp, ec);
   fs::create_directories(tmp, ec);
   if (ec) throw Error("creating " + tmp + ": " + ec.message());
-  const std::vector<std::string> stateNames =
-      m.optimizerKind.empty() ? std::vector<std::string>{} : m.meta["optimizer"].at("state").get<std::vector<std::string>>();
+  std::vector<std::string> kinds{"param"};
+  for (const auto& n : optimizerStateNames(m)) kinds.push_back("optim/" + n);
   json files = json::array();
   for (int r = 0; r < world; ++r) {
     RankPlan plan;
@@ -973,8 +984,6 @@ void reshardCheckpoint(const std::string& path, const std::string& outDir, int w
       const std::int64_t valid = std::max<std::int64_t>(0, std::min(shard, numel - start));
       if (valid == 0) continue;
       const auto dtype = parseDtype(m.flatDtype[f], path);
-      std::vector<std::string> kinds{"param"};
-      for (const auto& n : stateNames) kinds.push_back("optim/" + n);
       for (const auto& what : kinds) {
         auto t = at::empty({valid}, at::TensorOptions().dtype(dtype));
         reader.flatRange(static_cast<int>(f), what, start, valid, static_cast<char*>(t.data_ptr()), t.element_size());
@@ -984,12 +993,8 @@ void reshardCheckpoint(const std::string& path, const std::string& outDir, int w
     if (r == 0) {
       for (const auto& b : m.blocks[0]) {
         if (!b.what.starts_with("buffer/")) continue;
-        const auto data = reader.block(0, b);
-        auto t = at::empty({static_cast<std::int64_t>(data.size())}, at::kByte);
-        std::memcpy(t.data_ptr(), data.data(), data.size());
-        Block copy = b;
-        addBlock(plan, copy, t, false);
-        plan.blocks.back().dtype = b.dtype;
+        // Raw bytes: the block keeps its own dtype and shape.
+        addBlock(plan, b, reader.blockTensor(0, b, {static_cast<std::int64_t>(b.bytes)}, at::kByte), false);
       }
     }
     writeRankFile(tmp + "/" + rankFileName(r), plan);

@@ -2,7 +2,6 @@
 
 #include <ATen/Functions.h>
 #include <signal.h>
-#include <sys/resource.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/optimizer.h>
 #include <torch/utils.h>
@@ -16,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "fsdp/common/error.hpp"
+#include "fsdp/common/process.hpp"
 #include "fsdp/worker/runtime.hpp"
 
 namespace fsdp::worker {
@@ -23,12 +23,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using nlohmann::json;
-
-double peakRssMb() {
-  rusage usage{};
-  ::getrusage(RUSAGE_SELF, &usage);
-  return static_cast<double>(usage.ru_maxrss) / 1024.0;
-}
 
 std::string clock(double seconds) {
   if (!std::isfinite(seconds) || seconds < 0) return "--:--";
@@ -197,9 +191,11 @@ EvalResult Trainer::evaluate(const Dataset& data) {
   double lossSum = 0, correct = 0, samples = 0;
   for (std::int64_t s = 0; s < sampler.stepsPerEpoch(); ++s) {
     const auto item = loader.next();
+    // A last global batch smaller than the world is left out on every rank alike: under
+    // sharding, a rank without data would miss its peers' collectives in the forward pass.
+    if (item.globalBatch < d.runtime.worldSize()) continue;
     const auto& b = item.batch;
     const auto n = static_cast<double>(b.input.size(0));
-    if (n == 0) continue;
     const at::Tensor out = (forward ? forward(d.model, b) : d.model->forward(b.input)).to(at::kFloat);
     lossSum += d.loss(out, b).item<double>() * n;
     if (o.accuracy) correct += out.argmax(-1).eq(b.target).sum().item<double>() / (b.target.numel() / n);
@@ -316,12 +312,12 @@ FitResult Trainer::fit(const Dataset& train, const Dataset* eval) {
       }
       d.optimizer.zero_grad();
       const auto& b = item.batch;
+      // Every rank has at least gradAccumulation examples here (the skip above).
       const std::int64_t local = b.input.size(0);
-      const int micro = static_cast<int>(std::min<std::int64_t>(o.gradAccumulation, std::max<std::int64_t>(local, 1)));
-      const auto inputs = local > 0 ? b.input.chunk(micro) : std::vector<at::Tensor>{};
-      const auto targets = local > 0 ? b.target.chunk(micro) : std::vector<at::Tensor>{};
+      const auto inputs = b.input.chunk(o.gradAccumulation);
+      const auto targets = b.target.chunk(o.gradAccumulation);
       for (std::size_t m = 0; m < inputs.size(); ++m) {
-        const Batch part{inputs[m], targets[m], b.tokens * inputs[m].size(0) / std::max<std::int64_t>(local, 1)};
+        const Batch part{inputs[m], targets[m], b.tokens * inputs[m].size(0) / local};
         const auto n = static_cast<double>(part.input.size(0));
         // FSDP averages gradients over ranks; scaling each micro-batch's mean by its share of
         // the global batch makes the sum of everything the global batch's mean.

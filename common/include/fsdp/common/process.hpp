@@ -68,6 +68,9 @@ std::optional<int> parseSignal(const std::string& text);
 // The current environment as "KEY=VALUE" strings.
 std::vector<std::string> currentEnvironment();
 
+// This process's peak resident set so far, in MiB (getrusage's ru_maxrss).
+double peakRssMb();
+
 // Resolves a program as execvp would (PATH lookup when there is no '/'); nullopt when no
 // executable file is found. Sets `why` to a human reason on failure.
 std::optional<std::string> findExecutable(const std::string& program, std::string* why);
