@@ -176,40 +176,38 @@ void accuracy(const Args& args) {
   const auto epochs = args.ints("epochs", "1").front();
   if (model != "deep" && model != "shallow") throw ConfigError("--model '" + model + "': expected deep or shallow");
   const auto limit = std::chrono::seconds(7200);
-  nlohmann::json base = {{"bench", "accuracy"}, {"model", model}, {"epochs", epochs}, {"global_batch", 256}};
+  const std::string globalBatch = "256";  // given to both sides, so the label says what ran
+  nlohmann::json base = {{"bench", "accuracy"}, {"model", model}, {"epochs", epochs}, {"global_batch", std::stoi(globalBatch)}};
   const auto oursOutcome = runAll({{.argv = {binDir() + "/fsdprun", "--nproc_per_node", "2", binDir() + "/mnist",
-                                             "--model", model, "--epochs", std::to_string(epochs), "--progress",
-                                             "none", "--log_every", "0"},
+                                             "--model", model, "--epochs", std::to_string(epochs), "--batch_size",
+                                             globalBatch, "--progress", "none", "--log_every", "0"},
                                     .env = environmentWith({"OMP_NUM_THREADS=1"})}},
                                   limit);
-  const auto* ours = lastWith(oursOutcome, "test_accuracy");
-  nlohmann::json line = base;
-  line["impl"] = "fsdp FULL_SHARD 2 ranks x 1 thread";
-  if (ours == nullptr) {
-    line["error"] = oursOutcome.error.empty() ? "no result line" : oursOutcome.error;
-  } else {
-    line["test_accuracy"] = (*ours)["test_accuracy"];
-    line["train_samples_per_s"] = (*ours)["train_samples_per_s"];
-  }
-  emit(line);
+  // One line per side; the result line it came from, or null.
+  const auto report = [&base](const char* impl, const auto& outcome) {
+    const auto* result = lastWith(outcome, "test_accuracy");
+    nlohmann::json line = base;
+    line["impl"] = impl;
+    if (result == nullptr) {
+      line["error"] = outcome.error.empty() ? "no result line" : outcome.error;
+    } else {
+      line["test_accuracy"] = (*result)["test_accuracy"];
+      line["train_samples_per_s"] = (*result)["train_samples_per_s"];
+    }
+    emit(line);
+    return result;
+  };
+  const auto* ours = report("fsdp FULL_SHARD 2 ranks x 1 thread", oursOutcome);
   if (!havePython()) {
     emit({{"bench", "accuracy"}, {"impl", "pytorch"}, {"unavailable", "needs python3-torch"}});
     return;
   }
   const auto peerOutcome = runAll({{.argv = {"/usr/bin/python3", peerScript("mnist_accuracy_torch.py"), "--model",
-                                             model, "--epochs", std::to_string(epochs), "--threads", "2"},
+                                             model, "--epochs", std::to_string(epochs), "--batch_size", globalBatch,
+                                             "--threads", "2"},
                                     .env = currentEnvironment()}},
                                   limit);
-  const auto* peer = lastWith(peerOutcome, "test_accuracy");
-  line = base;
-  line["impl"] = "pytorch 1 process x 2 threads";
-  if (peer == nullptr) {
-    line["error"] = peerOutcome.error.empty() ? "no result line" : peerOutcome.error;
-  } else {
-    line["test_accuracy"] = (*peer)["test_accuracy"];
-    line["train_samples_per_s"] = (*peer)["train_samples_per_s"];
-  }
-  emit(line);
+  const auto* peer = report("pytorch 1 process x 2 threads", peerOutcome);
   if (ours != nullptr && peer != nullptr) {
     emit({{"bench", "accuracy"}, {"model", model}, {"compare", "test accuracy points, ours - pytorch"},
           {"difference_points", 100.0 * ((*ours)["test_accuracy"].get<double>() - (*peer)["test_accuracy"].get<double>())}});

@@ -43,6 +43,9 @@ long long nowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
 }
 
+// Part `index` of `total` split into `parts` nearly equal parts.
+int shareOf(int total, int parts, int index) { return total / parts + (index < total % parts ? 1 : 0); }
+
 void raiseFdLimit() {
   rlimit limit{};
   if (::getrlimit(RLIMIT_NOFILE, &limit) == 0) {
@@ -425,7 +428,7 @@ int storeInitWireHelper(const std::string& wire, std::uint16_t port, int count, 
   std::vector<std::string> errors(kThreads);
   std::vector<std::thread> threads;
   for (int t = 0; t < kThreads; ++t) {
-    const int share = count / kThreads + (t < count % kThreads ? 1 : 0);
+    const int share = shareOf(count, kThreads, t);
     threads.emplace_back([&, t, share] {
       go.wait();
       starts[static_cast<std::size_t>(t)] = nowNs();
@@ -494,7 +497,7 @@ ServerProcess startServer(const std::string& kind) {
 std::vector<std::vector<std::string>> split(const std::vector<std::string>& head, int total, int processes) {
   std::vector<std::vector<std::string>> argvs;
   for (int p = 0; p < processes; ++p) {
-    const int share = total / processes + (p < total % processes ? 1 : 0);
+    const int share = shareOf(total, processes, p);
     auto argv = head;
     argv.push_back(std::to_string(share));
     argv.push_back(std::to_string(total));
@@ -545,28 +548,28 @@ void storeInit(const Args& args) {
       // hang with every client connected and waiting: not understood yet (half-open connections
       // after an accept-queue overflow are the suspect), so the wire setup stops at 4,000.
       if (client == "wire" && clients > 4000) continue;
-      // Each setup: the server process, and the helper command for it. With real LibTorch
+      // Each setup: a server process and what its clients speak. With real LibTorch
       // clients, ours use our StoreClient and c10d's its TCPStore; with wire clients, every
       // setup gets the same event-driven client, and ours is measured twice: in its own
       // protocol and in c10d's bytes.
       struct Setup {
-        std::string name, server, helper, wire;
+        std::string name, server, wire;
       };
       std::vector<Setup> setups;
       if (client == "libtorch") {
-        if (which != "c10d") setups.push_back({"fsdprun", "fsdprun", "store_init_helper", "fsdprun"});
+        if (which != "c10d") setups.push_back({"fsdprun", "fsdprun", "fsdprun"});
       } else {
         if (which != "c10d") {
-          setups.push_back({"fsdprun", "fsdprun", "store_init_wire_helper", "framed"});
-          setups.push_back({"fsdprun_c10d_wire", "fsdprun", "store_init_wire_helper", "c10d"});
+          setups.push_back({"fsdprun", "fsdprun", "framed"});
+          setups.push_back({"fsdprun_c10d_wire", "fsdprun", "c10d"});
         }
       }
       // c10d's 1.13 client opens two connections each; past a few thousand clients that is
       // more than this machine's descriptor limit allows one server process.
       if (which != "ours" && clients <= 4000) {
-        setups.push_back({"c10d", "c10d", client == "libtorch" ? "store_init_helper" : "store_init_wire_helper",
-                          "c10d"});
+        setups.push_back({"c10d", "c10d", "c10d"});
       }
+      const std::string helper = client == "libtorch" ? "store_init_helper" : "store_init_wire_helper";
       std::map<std::string, std::vector<double>> seconds;
       std::map<std::string, std::vector<double>> serverCpu;
       // Alternate the setups rep by rep, so that all see the same machine.
@@ -575,7 +578,7 @@ void storeInit(const Args& args) {
           ServerProcess server = startServer(setup.server);
           const int processes = static_cast<int>(std::max(1LL, (clients + 1999) / 2000));
           const double cpuBefore = cpuSeconds(server.helper->pid());
-          const auto spread = runHelpers(split({exe, setup.helper, setup.wire, std::to_string(server.port)},
+          const auto spread = runHelpers(split({exe, helper, setup.wire, std::to_string(server.port)},
                                                static_cast<int>(clients), processes),
                                          std::chrono::seconds(300));
           seconds[setup.name].push_back(spread.seconds);

@@ -3,49 +3,19 @@ process or DDP on Gloo (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT from the environ
 same recipe as build/bin/mnist (Adam 1e-3, global batch split over ranks, dropout off).
 Prints one JSON line from rank 0."""
 import argparse
-import gzip
 import json
 import os
 import resource
+import sys
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-MEAN, STD = 0.2860, 0.3530
-
-
-def load(path, train):
-    prefix = "train" if train else "t10k"
-    with gzip.open(os.path.join(path, f"{prefix}-images-idx3-ubyte.gz")) as f:
-        images = np.frombuffer(f.read(), np.uint8, offset=16).reshape(-1, 1, 28, 28)
-    with gzip.open(os.path.join(path, f"{prefix}-labels-idx1-ubyte.gz")) as f:
-        labels = np.frombuffer(f.read(), np.uint8, offset=8)
-    x = (torch.from_numpy(images.astype(np.float32)) / 255.0 - MEAN) / STD
-    return x, torch.from_numpy(labels.astype(np.int64))
-
-
-class Net(nn.Module):
-    def __init__(self, deep):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 32, 3)
-        self.conv2 = nn.Conv2d(32, 64, 3)
-        if deep:
-            self.fcs = nn.ModuleList([nn.Linear(9216, 9000), nn.Linear(9000, 1000), nn.Linear(1000, 1000),
-                                      nn.Linear(1000, 1000), nn.Linear(1000, 128)])
-        else:
-            self.fcs = nn.ModuleList([nn.Linear(9216, 128)])
-        self.fc2 = nn.Linear(128, 10)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.conv2(F.relu(self.conv1(x)))), 2).flatten(1)
-        x = F.relu(self.fcs[0](x))
-        for fc in self.fcs[1:]:
-            x = fc(x)
-        return F.log_softmax(self.fc2(x), 1)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fashion_mnist import load, net  # noqa: E402
 
 
 def main():
@@ -63,7 +33,7 @@ def main():
         dist.init_process_group("gloo")
     x, y = load(args.data, True)
     torch.manual_seed(0)
-    model = Net(args.model == "deep")
+    model = net(args.model == "deep", dropout=False)
     if world > 1:
         model = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)

@@ -3,7 +3,6 @@
 //
 //   fsdprun --standalone --nproc_per_node 2 build/bin/gpt --max_steps 300
 #include <CLI/CLI.hpp>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -11,7 +10,6 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <set>
-#include <torch/nn/functional/loss.h>
 #include <torch/optim/adamw.h>
 
 #include "../common/example_utils.hpp"
@@ -24,7 +22,6 @@
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
 
 struct Flags {
   std::string data = "/usr/share/games/fortunes";

@@ -119,7 +119,6 @@ int plot(const std::string& input, const std::string& output) {
     first = false;
   }
   if (!tokens.points.empty()) {
-    script.seekp(0, std::ios::end);
     script << (first ? "" : ", ") << "'-' using 1:2 with lines lw 2 axes x1y2 title 'tokens/s'";
     data += tokens.data();
     first = false;
@@ -130,14 +129,12 @@ int plot(const std::string& input, const std::string& output) {
   std::error_code ec;
   std::filesystem::remove(output, ec);  // what exists afterwards is this run's
   // gnuplot reads the script on its stdin.
-  int fds[2];
-  if (::pipe2(fds, O_CLOEXEC) != 0) fsdp::throwErrno("pipe2", errno);
   std::string why;
   if (!fsdp::findExecutable("gnuplot", &why)) {
-    ::close(fds[0]);
-    ::close(fds[1]);
     throw fsdp::Error("gnuplot: " + why + " (apt-get install gnuplot-nox; scripts/install-deps does it)");
   }
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC) != 0) fsdp::throwErrno("pipe2", errno);
   fsdp::SpawnOptions options{.argv = {"gnuplot"}, .env = fsdp::currentEnvironment(), .newProcessGroup = false};
   options.stdinFd = fds[0];
   auto child = fsdp::ChildProcess::spawn(options);
