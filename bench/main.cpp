@@ -89,9 +89,10 @@ int main(int argc, char** argv) {
       {"store_init",
        "N clients connect, add(init,1) and wait for the count to reach N, ours vs c10d::TCPStore "
        "1.13, medians of alternating reps; clients: LibTorch's own (a thread each) and/or "
-       "event-driven wire clients, the same for every server (--clients 1000,10000 "
-       "--server ours|c10d|both --client libtorch|wire|both --reps 3)",
-       {"clients", "server", "client", "reps"},
+       "event-driven wire clients, the same for every server; --nodes K adds ours with the "
+       "clients spread over K node processes, each through its own store proxy (--clients "
+       "1000,10000 --server ours|c10d|both --client libtorch|wire|both --reps 3 --nodes 0)",
+       {"clients", "server", "client", "reps", "nodes"},
        storeInit},
       {"launch",
        "fsdprun vs torchrun (--monitor_interval 0.1): --standalone --nproc_per_node N: wall of a "

@@ -17,12 +17,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstring>
 #include <sstream>
 #include <fstream>
 #include <iostream>
 #include <latch>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <thread>
 
@@ -32,6 +34,7 @@
 #include "fsdp/rendezvous/protocol.hpp"
 #include "fsdp/rendezvous/rdzv_client.hpp"
 #include "fsdp/rendezvous/store_client.hpp"
+#include "fsdp/rendezvous/store_proxy.hpp"
 #include "fsdp/rendezvous/store_server.hpp"
 
 namespace fsdp::bench {
@@ -203,17 +206,46 @@ int rdzvJoinHelper(std::uint16_t port, int count, int total) {
   return 0;
 }
 
+namespace {
+
+// Touches the next 64 KiB of the calling thread's stack and binds its malloc arena, so that
+// the timed part pays no first-touch page faults, which with a thousand threads in one
+// process contend on its memory map: the simulator's cost, not the store's.
+[[gnu::noinline]] void warmThread() {
+  char pad[64 * 1024];
+  std::memset(pad, 1, sizeof(pad));
+  asm volatile("" : : "r"(pad) : "memory");
+  void* volatile block = std::malloc(4096);  // volatile: a malloc/free pair is otherwise elided
+  std::free(block);
+}
+
+}  // namespace
+
 // Hidden: one process's share of store_init clients, one thread each. The finish time is
-// taken before the client closes (a rank keeps its store for the whole job).
+// taken before the client closes, and every client keeps its store open until all are done
+// (a rank keeps its store for the whole job): a thread exiting inside the timed window would
+// unmap its stack and interrupt the other core, and a close would be work for the server.
 int storeInitHelper(const std::string& server, std::uint16_t port, int count, int total) {
   raiseFdLimit();
+  // "proxy": this process is a node whose agent carries its ranks on one server connection.
+  std::optional<rendezvous::StoreProxy> proxy;
+  if (server == "proxy") {
+    proxy.emplace(rendezvous::ProxyOptions{.serverHost = "127.0.0.1", .serverPort = port, .runId = "bench"});
+    port = proxy->port();
+  }
   std::latch go(1);
+  // Not a std::latch: its waiters spin and sched_yield before they sleep, taking the CPU from
+  // clients still being served.
+  std::mutex doneMutex;
+  std::condition_variable allDone;
+  int running = count;
   std::atomic<long long> first{std::numeric_limits<long long>::max()};
   std::atomic<long long> last{0};
   std::atomic<int> failures{0};
   std::vector<std::thread> threads;
   for (int i = 0; i < count; ++i) {
     threads.emplace_back([&] {
+      warmThread();
       go.wait();
       long long start = nowNs();
       long long expected = first.load();
@@ -222,7 +254,7 @@ int storeInitHelper(const std::string& server, std::uint16_t port, int count, in
       std::unique_ptr<rendezvous::StoreClient> ours;
       std::optional<c10d::TCPStore> theirs;
       try {
-        if (server == "fsdprun") {
+        if (server != "c10d") {
           ours = rendezvous::StoreClient::connect("127.0.0.1", port, {.connectTimeout = std::chrono::seconds(60), .timeout = std::chrono::seconds(120), .runId = "bench"});
           // One request: the server counts and answers everyone when the count reaches N.
           ours->addAndWait("init", 1, total, std::chrono::seconds(120));
@@ -244,6 +276,9 @@ int storeInitHelper(const std::string& server, std::uint16_t port, int count, in
       long long seen = last.load();
       while (end > seen && !last.compare_exchange_weak(seen, end)) {
       }
+      std::unique_lock lock(doneMutex);
+      if (--running == 0) allDone.notify_all();
+      allDone.wait(lock, [&] { return running == 0; });
     });
   }
   std::cout << "ready" << std::endl;
@@ -539,6 +574,9 @@ void storeInit(const Args& args) {
   }
   const std::string exe = selfExe();
   const int reps = static_cast<int>(args.ints("reps", "3").front());
+  // With --nodes K, a third setup: the LibTorch-style clients spread over K processes (nodes),
+  // each reaching our server through its own store proxy, as an fsdprun agent's workers do.
+  const int nodes = static_cast<int>(args.ints("nodes", "0").front());
   std::vector<std::string> clientKinds;
   if (clientFlag != "wire") clientKinds.push_back("libtorch");
   if (clientFlag != "libtorch") clientKinds.push_back("wire");
@@ -554,10 +592,12 @@ void storeInit(const Args& args) {
       // protocol and in c10d's bytes.
       struct Setup {
         std::string name, server, wire;
+        int processes = 0;  // 0: one per 2,000 clients
       };
       std::vector<Setup> setups;
       if (client == "libtorch") {
         if (which != "c10d") setups.push_back({"fsdprun", "fsdprun", "fsdprun"});
+        if (which != "c10d" && nodes > 0) setups.push_back({"fsdprun_proxy", "fsdprun", "proxy", nodes});
       } else {
         if (which != "c10d") {
           setups.push_back({"fsdprun", "fsdprun", "framed"});
@@ -576,7 +616,8 @@ void storeInit(const Args& args) {
       for (int rep = 0; rep < reps; ++rep) {
         for (const auto& setup : setups) {
           ServerProcess server = startServer(setup.server);
-          const int processes = static_cast<int>(std::max(1LL, (clients + 1999) / 2000));
+          const int processes =
+              setup.processes > 0 ? setup.processes : static_cast<int>(std::max(1LL, (clients + 1999) / 2000));
           const double cpuBefore = cpuSeconds(server.helper->pid());
           const auto spread = runHelpers(split({exe, helper, setup.wire, std::to_string(server.port)},
                                                static_cast<int>(clients), processes),
@@ -586,6 +627,7 @@ void storeInit(const Args& args) {
         }
       }
       nlohmann::json line = {{"bench", "store_init"}, {"clients", clients}, {"client", client}, {"reps", reps}};
+      if (nodes > 0 && client == "libtorch") line["proxy_nodes"] = nodes;
       for (const auto& setup : setups) {
         line[setup.name + "_s_median"] = percentile(seconds[setup.name], 0.5);
         line[setup.name + "_server_cpu_s_median"] = percentile(serverCpu[setup.name], 0.5);

@@ -22,6 +22,7 @@
 #include "fsdp/common/process.hpp"
 #include "fsdp/common/sha256.hpp"
 #include "fsdp/rendezvous/rdzv_client.hpp"
+#include "fsdp/rendezvous/store_proxy.hpp"
 #include "fsdp/rendezvous/store_server.hpp"
 #include "guardian.hpp"
 #include "worker_group.hpp"
@@ -175,6 +176,10 @@ class Agent {
   std::unique_ptr<rendezvous::RendezvousClient> client_;
   std::string storeHost_;
   int storePort_ = 0;
+  // Where this node's workers reach the store: the server, or this agent's proxy to it.
+  std::unique_ptr<rendezvous::StoreProxy> proxy_;
+  std::string workerStoreHost_;
+  int workerStorePort_ = 0;
   std::string address_;  // this node's address for the others
   std::string node_;
   int masterPort_ = 0;   // the MASTER_PORT this node offers, should it be node 0
@@ -254,6 +259,23 @@ void Agent::startRendezvous() {
     if (server_) log::info("serving the rendezvous of run '{}' on {}", options_.rdzvId, plan_.endpoint.str());
   }
   connect();
+  if (!server_ && conf.storeProxy) {
+    try {
+      proxy_ = std::make_unique<rendezvous::StoreProxy>(
+          rendezvous::ProxyOptions{.serverHost = storeHost_,
+                                   .serverPort = static_cast<std::uint16_t>(storePort_),
+                                   .runId = options_.rdzvId,
+                                   .token = token_,
+                                   .connectTimeout = std::chrono::seconds(10)});
+      workerStoreHost_ = "127.0.0.1";
+      workerStorePort_ = proxy_->port();
+      log::info("workers reach the store through this node's proxy on 127.0.0.1:{}", workerStorePort_);
+    } catch (const Error& e) {
+      // e.g. a server older than MUX: the workers connect to it themselves, as before.
+      log::warn("no store proxy on this node ({}): workers connect to {} directly", e.what(),
+                endpointName());
+    }
+  }
 }
 
 void Agent::connect() {
@@ -395,8 +417,8 @@ std::vector<detail::WorkerSpec> Agent::workerSpecs(const Assignment& a, const st
     WorkerContact contact{.masterAddr = a.masterAddr,
                           .masterPort = a.masterPort,
                           .agentStore = a.pytorchStore,
-                          .storeHost = storeHost_,
-                          .storePort = storePort_,
+                          .storeHost = proxy_ ? workerStoreHost_ : storeHost_,
+                          .storePort = proxy_ ? workerStorePort_ : storePort_,
                           .localAddress = address_,
                           .tokenFile = tokenFile_,
                           .errorFile = attemptDir + "/" + std::to_string(local) + "/error.json",

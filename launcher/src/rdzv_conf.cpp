@@ -71,6 +71,8 @@ RdzvConf RdzvConf::parse(const std::string& text) {
       conf.tokenFile = value;
     } else if (key == "allow_pytorch_clients") {
       conf.allowPytorchClients = boolean(item, value);
+    } else if (key == "store_proxy") {
+      conf.storeProxy = boolean(item, value);
     } else if (key == "read_timeout" || key == "timeout" || key == "store_type" ||
                key == "use_libuv" || key == "local_addr") {
       // torchrun's, with no meaning here: accepted so that existing command lines work.
@@ -78,7 +80,8 @@ RdzvConf RdzvConf::parse(const std::string& text) {
       throw bad(item, "unknown key '" + key +
                           "' (known: join_timeout, last_call_timeout, close_timeout, "
                           "heartbeat_interval, heartbeat_timeout, keep_alive_interval, "
-                          "keep_alive_max_attempt, is_host, token_file, allow_pytorch_clients)");
+                          "keep_alive_max_attempt, is_host, token_file, allow_pytorch_clients, "
+                          "store_proxy)");
     }
   }
   if (keepAliveInterval) conf.heartbeatInterval = *keepAliveInterval;

@@ -172,6 +172,11 @@ Connection::~Connection() {
   ::close(fd_);
 }
 
+int Connection::release() {
+  if (buffered()) throw ProtocolError("store server " + endpoint_ + " sent more than was asked");
+  return std::exchange(fd_, -1);
+}
+
 void Connection::handshake(const ConnectParams& params, const Deadline& deadline) {
   // The nonce only matters to a token proof; a client without a token sends none.
   const std::string clientNonce = params.token.empty() ? std::string() : randomBytes(16);

@@ -58,6 +58,9 @@ class Connection {
   // held for a minute, per rank, on hosts that start thousands).
   void resetOnClose() { resetOnClose_ = true; }
   int fd() const { return fd_; }
+  // Gives the socket up to the caller (who closes it); the connection must have no bytes
+  // buffered. -1 afterwards.
+  int release();
   // Whether received bytes wait in the buffer (poll(fd) would not show them).
   bool buffered() const { return end_ > start_; }
   const std::string& endpoint() const { return endpoint_; }

@@ -334,6 +334,8 @@ std::optional<Response> StoreService::tryHandle(const Request& req) {
     case Op::kSucceeded:
     case Op::kEvent:
     case Op::kAddWait:
+    case Op::kMux:
+    case Op::kEndStream:
       resp.status = Status::kError;
       resp.value = opName(req.op) + " is not a store operation";
       break;

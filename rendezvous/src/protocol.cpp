@@ -164,6 +164,10 @@ std::string opName(Op op) {
       return "WATCH";
     case Op::kRevision:
       return "REVISION";
+    case Op::kMux:
+      return "MUX";
+    case Op::kEndStream:
+      return "END_STREAM";
   }
   return "op " + std::to_string(static_cast<int>(op));
 }
@@ -183,14 +187,24 @@ Header decodeHeader(std::span<const std::uint8_t> bytes, const Limits& limits) {
   }
   const auto op = r.u8();
   if (op > kMaxOp) throw ProtocolError("unknown op " + std::to_string(op));
-  r.u8();
-  r.u8();
-  Header h{static_cast<Op>(op), r.u32()};
+  const std::uint16_t stream = static_cast<std::uint16_t>(r.u8() | (r.u8() << 8));
+  Header h{static_cast<Op>(op), r.u32(), stream};
   if (h.bodyLength > limits.maxBodyBytes) {
     throw ProtocolError("frame body of " + std::to_string(h.bodyLength) +
                         " bytes exceeds the limit of " + std::to_string(limits.maxBodyBytes));
   }
   return h;
+}
+
+std::uint16_t frameStream(std::span<const std::uint8_t> frame) {
+  if (frame.size() < kHeaderSize) throw ProtocolError("frameStream: not a frame");
+  return static_cast<std::uint16_t>(frame[6] | (frame[7] << 8));
+}
+
+void setFrameStream(std::span<std::uint8_t> frame, std::uint16_t stream) {
+  if (frame.size() < kHeaderSize) throw ProtocolError("setFrameStream: not a frame");
+  frame[6] = static_cast<std::uint8_t>(stream & 0xff);
+  frame[7] = static_cast<std::uint8_t>(stream >> 8);
 }
 
 std::vector<std::uint8_t> encodeRequest(const Request& request) {
@@ -258,6 +272,8 @@ Request decodeRequest(Op op, std::span<const std::uint8_t> body, const Limits& l
     case Op::kCloseRun:
     case Op::kSucceeded:
     case Op::kEvent:
+    case Op::kMux:
+    case Op::kEndStream:
       break;
   }
   return req;

@@ -2,6 +2,7 @@
 
 #include <boost/asio.hpp>
 #include <boost/asio/experimental/awaitable_operators.hpp>
+#include <deque>
 #include <future>
 #include <thread>
 #include <unordered_map>
@@ -70,6 +71,24 @@ struct Run {
 
 class Session;
 
+// One logical client: a connection's own (stream 0), or one stream of a multiplexed
+// connection (a node's store proxy), with its own handshake, run and parked request.
+struct Stream {
+  Stream(const asio::any_io_executor& executor, std::uint16_t number)
+      : parked(executor), number(number) {}
+  asio::steady_timer parked;  // a waiting request sleeps here until woken or timed out
+  std::uint16_t number;
+  Run* run = nullptr;
+  std::string runId;
+  std::string clientNonce;
+  std::string serverNonce;
+  bool authenticated = false;
+  bool joined = false;
+  bool ended = false;          // its client went away, or the server ended it
+  bool busy = false;           // multiplexed: a handler is working through `queue`
+  std::deque<Request> queue;   // multiplexed: read and not handled yet, in order
+};
+
 struct StoreServer::Impl {
   // Declared before io so that they outlive it: the coroutines still suspended when the server
   // stops are destroyed with io, and their cleanup unregisters watches from their run's store.
@@ -102,7 +121,10 @@ struct StoreServer::Impl {
 class Session : public std::enable_shared_from_this<Session> {
  public:
   Session(StoreServer::Impl& server, tcp::socket socket)
-      : server_(server), socket_(std::move(socket)), id_(server.nextSession++) {}
+      : server_(server),
+        socket_(std::move(socket)),
+        main_(std::make_shared<Stream>(socket_.get_executor(), 0)),
+        id_(server.nextSession++) {}
 
   awaitable<void> run() {
     server_.sessions.emplace(id_, this);
@@ -123,6 +145,18 @@ class Session : public std::enable_shared_from_this<Session> {
   // leaves at once, held replies first.
   void send(std::vector<std::uint8_t> frame) {
     if (closed_) return;
+    if (mux_) {
+      // Many streams answer in one turn of the loop: their replies leave in one write.
+      held_.insert(held_.end(), frame.begin(), frame.end());
+      if (!flushPosted_) {
+        flushPosted_ = true;
+        asio::post(socket_.get_executor(), [self = shared_from_this()] {
+          self->flushPosted_ = false;
+          self->write(std::exchange(self->held_, {}));
+        });
+      }
+      return;
+    }
     if (held_.empty()) {
       if (holding_) {
         held_ = std::move(frame);
@@ -138,7 +172,7 @@ class Session : public std::enable_shared_from_this<Session> {
   // Sends what the reader held; from now on, sends leave at once.
   void release() {
     holding_ = false;
-    if (!held_.empty()) write(std::exchange(held_, {}));
+    if (!mux_ && !held_.empty()) write(std::exchange(held_, {}));
   }
 
   // Closes once everything queued has been written.
@@ -156,7 +190,8 @@ class Session : public std::enable_shared_from_this<Session> {
     closed_ = true;
     boost::system::error_code ec;
     socket_.close(ec);
-    parked_.cancel();
+    main_->parked.cancel();
+    for (auto& [number, stream] : streams_) stream->parked.cancel();
   }
 
   AgentId id() const { return id_; }
@@ -199,7 +234,7 @@ class Session : public std::enable_shared_from_this<Session> {
         co_await serveFramed();
       } else if (server_.allowPytorch) {
         Run& run = server_.bindRun(server_.options.pytorchRunId);
-        run_ = &run;
+        main_->run = &run;
         std::vector<std::uint8_t> initial(in_.begin() + static_cast<std::ptrdiff_t>(inStart_),
                                           in_.begin() + static_cast<std::ptrdiff_t>(inEnd_));
         co_await servePytorchDialect(
@@ -309,8 +344,32 @@ class Session : public std::enable_shared_from_this<Session> {
       if (!co_await fill(kHeaderSize, frameDeadline)) co_return;
       const Header h = decodeHeader(std::span(in_.data() + inStart_, kHeaderSize), limits);
       if (!co_await fill(kHeaderSize + h.bodyLength, frameDeadline)) co_return;
-      const Request req =
-          decodeRequest(h.op, std::span(in_.data() + inStart_ + kHeaderSize, h.bodyLength), limits);
+      const auto body = std::span(in_.data() + inStart_ + kHeaderSize, h.bodyLength);
+      if (mux_) {
+        // A bad body is its stream's fault (a proxy forwards its clients' bytes): it ends that
+        // stream only. A bad header ended the connection above: the proxy checks them.
+        std::optional<Request> req;
+        try {
+          req = decodeRequest(h.op, body, limits);
+        } catch (const ProtocolError& e) {
+          if (h.stream == 0) throw;
+          ++server_.stats.protocolErrors;
+          log::warn("store server: ending stream {} of {}: protocol error: {}", h.stream, peer(),
+                    e.what());
+          if (auto it = streams_.find(h.stream); it != streams_.end()) endStream(*it->second);
+        }
+        inStart_ += kHeaderSize + h.bodyLength;
+        if (req) {
+          ++server_.stats.requestsServed;
+          dispatch(h.stream, std::move(*req));
+        }
+        continue;
+      }
+      if (h.stream != 0) {
+        throw ProtocolError("a frame on stream " + std::to_string(h.stream) +
+                            " of a connection that did not ask for MUX");
+      }
+      const Request req = decodeRequest(h.op, body, limits);
       inStart_ += kHeaderSize + h.bodyLength;
       if (inStart_ == inEnd_) {
         inStart_ = inEnd_ = 0;
@@ -319,66 +378,171 @@ class Session : public std::enable_shared_from_this<Session> {
       }
       ++server_.stats.requestsServed;
       holding_ = true;
-      if (!co_await handleFramed(req)) co_return;
+      if (!co_await handleFramed(*main_, req)) co_return;
       if (closed_) co_return;
     }
   }
 
-  // Returns false when the connection must close.
-  awaitable<bool> handleFramed(const Request& req) {
+  // Multiplexed: hands a request to its stream, whose handler works through them in order
+  // (one stream's wait holds up no other). A stream starts with HELLO; anything else for a
+  // stream this connection does not have (one the server just ended) is dropped.
+  void dispatch(std::uint16_t number, Request req) {
+    std::shared_ptr<Stream> stream;
+    if (number == 0) {
+      stream = main_;
+    } else if (auto it = streams_.find(number); it != streams_.end()) {
+      stream = it->second;
+    } else if (req.op == Op::kHello) {
+      stream = std::make_shared<Stream>(socket_.get_executor(), number);
+      streams_.emplace(number, stream);
+      ++server_.stats.streamsOpen;
+    } else {
+      return;
+    }
+    if (req.op == Op::kEndStream && number != 0) {
+      endStream(*stream);
+      return;
+    }
+    stream->queue.push_back(std::move(req));
+    if (stream->busy) return;
+    stream->busy = true;
+    asio::co_spawn(socket_.get_executor(), serveStream(shared_from_this(), stream),
+                   asio::detached);
+  }
+
+  // `self` keeps the session alive while the stream works.
+  awaitable<void> serveStream([[maybe_unused]] std::shared_ptr<Session> self,
+                              std::shared_ptr<Stream> stream) {
+    while (!stream->queue.empty() && !stream->ended && !closed_) {
+      const Request req = std::move(stream->queue.front());
+      stream->queue.pop_front();
+      bool keep = false;
+      try {
+        keep = co_await handleFramed(*stream, req);
+      } catch (const ProtocolError& e) {
+        ++server_.stats.protocolErrors;
+        log::warn("store server: ending stream {} of {}: protocol error: {}", stream->number,
+                  peer(), e.what());
+      } catch (const std::exception&) {
+        keep = false;  // ended or closed while it waited
+      }
+      if (!keep) {
+        if (stream->number == 0) {
+          closeAfterFlush();
+        } else {
+          endStream(*stream);
+        }
+      }
+    }
+    stream->busy = false;
+  }
+
+  // Ends a stream: its wait is dropped, its run released, and the proxy learns it with
+  // END_STREAM (the ack when the proxy ended it; the order to close its client otherwise).
+  void endStream(Stream& stream) {
+    if (stream.ended) return;
+    stream.ended = true;
+    stream.parked.cancel();
+    stream.queue.clear();
+    unbind(stream);
+    --server_.stats.streamsOpen;
+    auto frame = encodeRequest({.op = Op::kEndStream});
+    setFrameStream(frame, stream.number);
+    send(std::move(frame));
+    streams_.erase(stream.number);  // last: `stream` may be owned by the map alone
+  }
+
+  // A reply on the stream it answers (stream 0: the bytes of an ordinary connection).
+  void reply(Stream& stream, std::vector<std::uint8_t> frame) {
+    if (stream.ended) return;
+    if (stream.number != 0) setFrameStream(frame, stream.number);
+    send(std::move(frame));
+  }
+
+  // Refuses a stream after an error reply: an ordinary connection closes; a stream ends.
+  void refuse(Stream& stream) {
+    if (stream.number == 0) {
+      closeAfterFlush();
+    } else {
+      endStream(stream);
+    }
+  }
+
+  // Handles one request of `s`. Returns false when `s` must end (a connection closes, a
+  // stream ends) after its error reply.
+  awaitable<bool> handleFramed(Stream& s, const Request& req) {
     if (req.op == Op::kHello) {
-      if (run_ != nullptr) throw ProtocolError("HELLO sent twice");
-      runId_ = req.keys[0];
-      if (runId_.empty()) throw ProtocolError("HELLO with an empty run id");
+      if (s.run != nullptr || !s.runId.empty()) throw ProtocolError("HELLO sent twice");
+      s.runId = req.keys[0];
+      if (s.runId.empty()) throw ProtocolError("HELLO with an empty run id");
       Response resp;
       if (!server_.options.token.empty()) {
-        serverNonce_ = randomBytes(16);
-        clientNonce_ = req.value;
+        s.serverNonce = randomBytes(16);
+        s.clientNonce = req.value;
         resp.number = 1;
-        resp.value = serverNonce_;
+        resp.value = s.serverNonce;
       } else {
-        authenticated_ = true;
-        bind();
+        s.authenticated = true;
+        bind(s);
       }
-      send(encodeResponse(req.op, resp));
+      reply(s, encodeResponse(req.op, resp));
       co_return true;
     }
     if (req.op == Op::kAuth) {
-      if (runId_.empty() || authenticated_ || serverNonce_.empty()) {
+      if (s.runId.empty() || s.authenticated || s.serverNonce.empty()) {
         throw ProtocolError("AUTH out of order");
       }
       const auto mac =
-          hmacSha256(server_.options.token, authMessage(runId_, clientNonce_, serverNonce_));
+          hmacSha256(server_.options.token, authMessage(s.runId, s.clientNonce, s.serverNonce));
       const std::string expected(reinterpret_cast<const char*>(mac.data()), mac.size());
       if (!constantTimeEqual(expected, req.value)) {
         ++server_.stats.authFailures;
-        log::warn("store server: connection from {} failed authentication for run '{}'", peer(),
-                  runId_);
-        send(encodeResponse(req.op, Response{Status::kError, 0, "authentication failed", {}}));
-        closeAfterFlush();
+        log::warn("store server: {} from {} failed authentication for run '{}'", what(s), peer(),
+                  s.runId);
+        reply(s, encodeResponse(req.op, Response{Status::kError, 0, "authentication failed", {}}));
+        refuse(s);
         co_return false;
       }
-      authenticated_ = true;
-      bind();
-      send(encodeResponse(req.op, Response{}));
+      s.authenticated = true;
+      bind(s);
+      reply(s, encodeResponse(req.op, Response{}));
       co_return true;
     }
-    if (!authenticated_ || run_ == nullptr) {
+    if (!s.authenticated || s.run == nullptr) {
       ++server_.stats.authFailures;
-      log::warn("store server: closing connection from {}: {} before HELLO/AUTH", peer(),
+      log::warn("store server: closing {} from {}: {} before HELLO/AUTH", what(s), peer(),
                 opName(req.op));
-      send(encodeResponse(
-          req.op,
-          Response{Status::kError, 0, "not authenticated: send HELLO (and AUTH) first", {}}));
-      closeAfterFlush();
+      reply(s, encodeResponse(
+                   req.op,
+                   Response{Status::kError, 0, "not authenticated: send HELLO (and AUTH) first", {}}));
+      refuse(s);
       co_return false;
     }
-    Run& run = *run_;
+    if (req.op == Op::kMux) {
+      if (s.number != 0 || mux_ || s.joined) throw ProtocolError("MUX on a stream, twice, or after JOIN");
+      reply(s, encodeResponse(req.op, Response{}));
+      release();    // the reply leaves as an ordinary connection's would,
+      mux_ = true;  // and everything after it as streams
+      co_return true;
+    }
+    if (req.op == Op::kEndStream) throw ProtocolError("END_STREAM on a connection's own stream");
+    Run& run = *s.run;
     run.lastActive = asio::steady_timer::clock_type::now();
     const auto now = Clock::now();
+    const bool rendezvousOp = req.op == Op::kJoin || req.op == Op::kHeartbeat ||
+                              req.op == Op::kEndRound || req.op == Op::kSucceeded ||
+                              req.op == Op::kCloseRun;
+    if (rendezvousOp && (s.number != 0 || mux_)) {
+      // A member's events go to its connection, and its connection's end is its leaving:
+      // an agent joins on a connection of its own.
+      reply(s, encodeResponse(req.op, Response{Status::kError, 0,
+                                               opName(req.op) + " is not multiplexed: an agent "
+                                               "joins on a connection of its own", {}}));
+      co_return true;
+    }
     switch (req.op) {
       case Op::kJoin: {
-        joined_ = true;
+        s.joined = true;
         server_.deliver(run, run.rounds.join(id_, decodeJoin(req.value), now));
         server_.rearm(run);
         co_return true;
@@ -403,7 +567,8 @@ class Session : public std::enable_shared_from_this<Session> {
         break;
     }
     if (req.op == Op::kAddWait) {
-      send(encodeResponse(req.op, co_await addWait(run, req)));
+      auto resp = co_await addWait(s, run, req);
+      reply(s, encodeResponse(req.op, resp));
       co_return true;
     }
     if (req.op == Op::kSet || req.op == Op::kAppend || req.op == Op::kMultiSet) {
@@ -417,12 +582,13 @@ class Session : public std::enable_shared_from_this<Session> {
             " bytes, over the limit of " + std::to_string(server_.options.limits.maxRunBytes));
       }
     }
-    send(encodeResponse(req.op, co_await answer(run, req)));
+    auto resp = co_await answer(s, run, req);
+    reply(s, encodeResponse(req.op, resp));
     co_return true;
   }
 
   // The counter barrier: add once, then park until the counter reaches the target.
-  awaitable<Response> addWait(Run& run, const Request& req) {
+  awaitable<Response> addWait(Stream& s, Run& run, const Request& req) {
     const auto target = parseInt(req.value);
     if (!target)
       co_return Response{
@@ -434,23 +600,23 @@ class Session : public std::enable_shared_from_this<Session> {
       co_return Response{Status::kError, 0, e.what(), {}};
     }
     if (value >= *target) co_return Response{Status::kOk, value, {}, {}};
-    holding_ = false;  // parked: events pushed meanwhile leave at once (with what is held)
-    parked_.expires_after(std::chrono::milliseconds(req.timeoutMs));
+    park();
+    s.parked.expires_after(std::chrono::milliseconds(req.timeoutMs));
     bool reached = false;
-    const auto watch = run.store.watchCounter(req.keys[0], *target, [this, &reached] {
+    const auto watch = run.store.watchCounter(req.keys[0], *target, [&s, &reached] {
       reached = true;
-      parked_.cancel();
+      s.parked.cancel();
     });
-    co_await parked_.async_wait(asio::as_tuple(kUseAwaitable));
+    co_await s.parked.async_wait(asio::as_tuple(kUseAwaitable));
     if (!reached) run.store.unwatch(watch);
-    if (closed_) throw boost::system::system_error(asio::error::operation_aborted);
+    if (closed_ || s.ended) throw boost::system::system_error(asio::error::operation_aborted);
     const auto now = parseInt(run.store.get(req.keys[0]).value_or("0")).value_or(0);
     if (!reached) co_return Response{Status::kTimeout, now, req.keys[0], {}};
     co_return Response{Status::kOk, now, {}, {}};
   }
 
   // Answers one store request; parks it server side while it has to wait.
-  awaitable<Response> answer(Run& run, const Request& req) {
+  awaitable<Response> answer(Stream& s, Run& run, const Request& req) {
     const auto deadline =
         asio::steady_timer::clock_type::now() + std::chrono::milliseconds(req.timeoutMs);
     for (;;) {
@@ -468,16 +634,31 @@ class Session : public std::enable_shared_from_this<Session> {
         }
         co_return timeout;
       }
-      holding_ = false;  // parked: events pushed meanwhile leave at once (with what is held)
-      parked_.expires_at(deadline);
-      const auto watch = run.store.watch(req.keys, [this] { parked_.cancel(); });
-      co_await parked_.async_wait(asio::as_tuple(kUseAwaitable));
+      park();
+      s.parked.expires_at(deadline);
+      const auto watch = run.store.watch(req.keys, [&s] { s.parked.cancel(); });
+      co_await s.parked.async_wait(asio::as_tuple(kUseAwaitable));
       run.store.unwatch(watch);
-      if (closed_) throw boost::system::system_error(asio::error::operation_aborted);
+      if (closed_ || s.ended) throw boost::system::system_error(asio::error::operation_aborted);
     }
   }
 
-  void bind() { run_ = &server_.bindRun(runId_); }
+  void bind(Stream& s) { s.run = &server_.bindRun(s.runId); }
+
+  void unbind(Stream& s) {
+    if (s.run == nullptr) return;
+    --s.run->sessions;
+    s.run->lastActive = asio::steady_timer::clock_type::now();
+    s.run = nullptr;
+  }
+
+  // A request is about to wait: events pushed meanwhile leave at once, with what an ordinary
+  // connection's reader held (a HELLO reply goes with its request's, the usual case).
+  void park() { holding_ = false; }
+
+  std::string what(const Stream& s) const {
+    return s.number == 0 ? std::string("connection") : "stream " + std::to_string(s.number);
+  }
 
   void finish() {
     release();  // a held reply may still leave (and start the writer) before the close
@@ -488,20 +669,27 @@ class Session : public std::enable_shared_from_this<Session> {
     }
     server_.sessions.erase(id_);
     --server_.stats.connectionsOpen;
-    if (run_ != nullptr) {
-      Run& run = *run_;
-      --run.sessions;
-      run.lastActive = asio::steady_timer::clock_type::now();
-      if (joined_ && !server_.stopped) {
-        server_.deliver(run, run.rounds.leave(id_, "connection closed", Clock::now()));
-        server_.rearm(run);
-      }
+    for (auto& [number, stream] : streams_) {
+      stream->ended = true;
+      unbind(*stream);
+      --server_.stats.streamsOpen;
+    }
+    streams_.clear();
+    Run* run = main_->run;
+    unbind(*main_);
+    if (run != nullptr && main_->joined && !server_.stopped) {
+      server_.deliver(*run, run->rounds.leave(id_, "connection closed", Clock::now()));
+      server_.rearm(*run);
     }
   }
 
   StoreServer::Impl& server_;
   tcp::socket socket_;
-  asio::steady_timer parked_{socket_.get_executor()};
+  std::shared_ptr<Stream> main_;  // the connection's own client
+  // Multiplexed (after MUX): the streams by number, and whether a flush of held_ is posted.
+  std::unordered_map<std::uint16_t, std::shared_ptr<Stream>> streams_;
+  bool mux_ = false;
+  bool flushPosted_ = false;
   AgentId id_;
   // Frames the socket did not take at once (rare: a slow reader). A vector rather than a
   // deque, which would allocate 576 bytes up front for every connection.
@@ -519,12 +707,6 @@ class Session : public std::enable_shared_from_this<Session> {
   std::vector<std::uint8_t> in_;
   std::size_t inStart_ = 0;
   std::size_t inEnd_ = 0;
-  Run* run_ = nullptr;
-  std::string runId_;
-  std::string clientNonce_;
-  std::string serverNonce_;
-  bool authenticated_ = false;
-  bool joined_ = false;
 };
 
 Run& StoreServer::Impl::bindRun(const std::string& id) {

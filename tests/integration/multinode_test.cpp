@@ -106,7 +106,8 @@ TEST(MultiNode, TwoAgentsOfTwoWorkersTrainMnistAsOneJob) {
     agents.push_back(std::make_unique<Agent>(
         dir, "agent" + std::to_string(node),
         withCommand(jobArgs("2", port, "mnist2x2", node, {"--nproc_per_node", "2"}),
-                    {kBin + "/mnist", "--max_steps", "20", "--no_eval"})));
+                    {kBin + "/mnist", "--max_steps", "20", "--no_eval"}),
+        std::vector<std::string>{"FSDP_LOG_LEVEL=info"}));
   }
   for (auto& a : agents) {
     const auto code = a->wait(300s);
@@ -120,6 +121,9 @@ TEST(MultiNode, TwoAgentsOfTwoWorkersTrainMnistAsOneJob) {
   const auto summary = nlohmann::json::parse(out.substr(brace, out.find('\n', brace) - brace));
   EXPECT_EQ(summary.at("world_size").get<int>(), 4);
   EXPECT_EQ(summary.at("steps").get<int>(), 20);
+  // Node 1's workers reached the store through their agent's proxy; node 0 hosts the server.
+  EXPECT_NE(agents[1]->output().find("through this node's proxy"), std::string::npos) << agents[1]->output();
+  EXPECT_EQ(agents[0]->output().find("through this node's proxy"), std::string::npos);
 }
 
 TEST(MultiNode, AWorkerKilledWithSigkillRestartsAllFourAndTheyFinish) {

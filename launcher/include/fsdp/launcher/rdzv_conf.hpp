@@ -27,6 +27,10 @@ struct RdzvConf {
   std::string tokenFile;
   // Serve PyTorch's TCPStore clients on the rendezvous port even with a token.
   std::optional<bool> allowPytorchClients;
+  // An agent that does not host the server carries its workers' store connections on one
+  // connection of its own (a store proxy on loopback), so that the server holds one connection
+  // per node, not one per rank.
+  bool storeProxy = true;
 
   // Throws ConfigError naming the key or value ("--rdzv_conf 'join_timeout=abc': ...").
   static RdzvConf parse(const std::string& text);

@@ -3,7 +3,9 @@
 // no I/O, so that every bound is unit-tested and fuzzable.
 //
 // Frame = header (12 bytes, little endian) + body:
-//   u32 magic 0x50445346 ("FSDP") | u8 version | u8 op | u16 reserved (0) | u32 body length
+//   u32 magic 0x50445346 ("FSDP") | u8 version | u8 op | u16 stream | u32 body length
+// `stream` is 0 except on a multiplexed connection (see MUX): a node's store proxy carries
+// every local client's frames on one connection to the server, each client a stream.
 // Request body (same layout for every op):
 //   u32 nkeys, nkeys × (u32 len, bytes) | u32 len, value | u32 len, value2 | i64 number |
 //   u32 timeout_ms
@@ -53,8 +55,14 @@ enum class Op : std::uint8_t {
                     // changed after it, or timeout_ms passed: value = key, values = {value now}
                     // or {} when deleted, number = that change's revision
   kRevision = 22,   // reply number = the run's revision (see KvStore::revision)
+  kMux = 23,        // on an authenticated connection: from now on it carries streams 1-65535,
+                    // each an independent client (its own HELLO/AUTH, run, waits), answered
+                    // on its stream; stream 0 stays the connection's own
+  kEndStream = 24,  // proxy to server: the stream's client went away (its waits are dropped);
+                    // server to proxy: the stream is over (the ack of the former, or the
+                    // server ended it: close its client). Its number is free after this frame
 };
-inline constexpr std::uint8_t kMaxOp = 22;
+inline constexpr std::uint8_t kMaxOp = 24;
 
 // The message a client MACs to authenticate: binds the token proof to this run and both
 // nonces, so a recorded proof cannot be replayed on another connection.
@@ -85,7 +93,12 @@ struct KeyChange {
 struct Header {
   Op op = Op::kPing;
   std::uint32_t bodyLength = 0;
+  std::uint16_t stream = 0;
 };
+
+// The stream field of an encoded frame (at least kHeaderSize bytes), read or set in place.
+std::uint16_t frameStream(std::span<const std::uint8_t> frame);
+void setFrameStream(std::span<std::uint8_t> frame, std::uint16_t stream);
 
 struct Request {
   Op op = Op::kPing;

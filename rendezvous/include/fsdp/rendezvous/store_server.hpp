@@ -41,6 +41,7 @@ struct ServerOptions {
 struct ServerStats {
   std::uint64_t connectionsAccepted = 0;
   std::uint64_t connectionsOpen = 0;
+  std::uint64_t streamsOpen = 0;  // clients multiplexed on proxies' connections
   std::uint64_t requestsServed = 0;
   std::uint64_t protocolErrors = 0;
   std::uint64_t authFailures = 0;
