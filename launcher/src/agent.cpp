@@ -176,10 +176,8 @@ class Agent {
   std::unique_ptr<rendezvous::RendezvousClient> client_;
   std::string storeHost_;
   int storePort_ = 0;
-  // Where this node's workers reach the store: the server, or this agent's proxy to it.
+  // When set, this node's workers reach the store through it (on loopback), not directly.
   std::unique_ptr<rendezvous::StoreProxy> proxy_;
-  std::string workerStoreHost_;
-  int workerStorePort_ = 0;
   std::string address_;  // this node's address for the others
   std::string node_;
   int masterPort_ = 0;   // the MASTER_PORT this node offers, should it be node 0
@@ -267,9 +265,7 @@ void Agent::startRendezvous() {
                                    .runId = options_.rdzvId,
                                    .token = token_,
                                    .connectTimeout = std::chrono::seconds(10)});
-      workerStoreHost_ = "127.0.0.1";
-      workerStorePort_ = proxy_->port();
-      log::info("workers reach the store through this node's proxy on 127.0.0.1:{}", workerStorePort_);
+      log::info("workers reach the store through this node's proxy on 127.0.0.1:{}", proxy_->port());
     } catch (const Error& e) {
       // e.g. a server older than MUX: the workers connect to it themselves, as before.
       log::warn("no store proxy on this node ({}): workers connect to {} directly", e.what(),
@@ -417,8 +413,8 @@ std::vector<detail::WorkerSpec> Agent::workerSpecs(const Assignment& a, const st
     WorkerContact contact{.masterAddr = a.masterAddr,
                           .masterPort = a.masterPort,
                           .agentStore = a.pytorchStore,
-                          .storeHost = proxy_ ? workerStoreHost_ : storeHost_,
-                          .storePort = proxy_ ? workerStorePort_ : storePort_,
+                          .storeHost = proxy_ ? std::string("127.0.0.1") : storeHost_,
+                          .storePort = proxy_ ? int{proxy_->port()} : storePort_,
                           .localAddress = address_,
                           .tokenFile = tokenFile_,
                           .errorFile = attemptDir + "/" + std::to_string(local) + "/error.json",

@@ -196,11 +196,6 @@ Header decodeHeader(std::span<const std::uint8_t> bytes, const Limits& limits) {
   return h;
 }
 
-std::uint16_t frameStream(std::span<const std::uint8_t> frame) {
-  if (frame.size() < kHeaderSize) throw ProtocolError("frameStream: not a frame");
-  return static_cast<std::uint16_t>(frame[6] | (frame[7] << 8));
-}
-
 void setFrameStream(std::span<std::uint8_t> frame, std::uint16_t stream) {
   if (frame.size() < kHeaderSize) throw ProtocolError("setFrameStream: not a frame");
   frame[6] = static_cast<std::uint8_t>(stream & 0xff);

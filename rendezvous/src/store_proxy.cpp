@@ -33,7 +33,9 @@ class ProxyOutbox {
  public:
   explicit ProxyOutbox(tcp::socket& socket) : socket_(socket) {}
 
-  // False when the socket failed or the queue is over its bound (the caller closes).
+  // False when the socket failed or the queue is over its bound (the caller closes). `owner`
+  // is kept alive until the queue is written (a client; nothing for the server connection,
+  // which lives as long as the loop).
   bool write(std::vector<std::uint8_t> bytes, std::shared_ptr<void> owner) {
     if (bytes.empty()) return true;
     if (queued_.empty() && !writing_) {
@@ -119,7 +121,6 @@ struct StoreProxy::Impl {
   asio::executor_work_guard<asio::io_context::executor_type> keepRunning{io.get_executor()};
   tcp::acceptor acceptor{io};
   tcp::socket server{io};
-  std::shared_ptr<int> serverOwner = std::make_shared<int>(0);
   ProxyOutbox serverOut{server};
   std::vector<std::uint8_t> pendingUp;  // client frames of this turn of the loop
   bool flushPosted = false;
@@ -140,7 +141,7 @@ struct StoreProxy::Impl {
     flushPosted = true;
     asio::post(io, [this] {
       flushPosted = false;
-      if (!stopped && !serverOut.write(std::exchange(pendingUp, {}), serverOwner)) {
+      if (!stopped && !serverOut.write(std::exchange(pendingUp, {}), nullptr)) {
         serverLost("write failed");
       }
     });

@@ -344,41 +344,37 @@ class Session : public std::enable_shared_from_this<Session> {
       if (!co_await fill(kHeaderSize, frameDeadline)) co_return;
       const Header h = decodeHeader(std::span(in_.data() + inStart_, kHeaderSize), limits);
       if (!co_await fill(kHeaderSize + h.bodyLength, frameDeadline)) co_return;
-      const auto body = std::span(in_.data() + inStart_ + kHeaderSize, h.bodyLength);
-      if (mux_) {
-        // A bad body is its stream's fault (a proxy forwards its clients' bytes): it ends that
-        // stream only. A bad header ended the connection above: the proxy checks them.
-        std::optional<Request> req;
-        try {
-          req = decodeRequest(h.op, body, limits);
-        } catch (const ProtocolError& e) {
-          if (h.stream == 0) throw;
-          ++server_.stats.protocolErrors;
-          log::warn("store server: ending stream {} of {}: protocol error: {}", h.stream, peer(),
-                    e.what());
-          if (auto it = streams_.find(h.stream); it != streams_.end()) endStream(*it->second);
-        }
-        inStart_ += kHeaderSize + h.bodyLength;
-        if (req) {
-          ++server_.stats.requestsServed;
-          dispatch(h.stream, std::move(*req));
-        }
-        continue;
-      }
-      if (h.stream != 0) {
+      if (h.stream != 0 && !mux_) {
         throw ProtocolError("a frame on stream " + std::to_string(h.stream) +
                             " of a connection that did not ask for MUX");
       }
-      const Request req = decodeRequest(h.op, body, limits);
+      std::optional<Request> req;
+      try {
+        req = decodeRequest(h.op, std::span(in_.data() + inStart_ + kHeaderSize, h.bodyLength),
+                            limits);
+      } catch (const ProtocolError& e) {
+        // A bad body on a stream is that stream's fault (a proxy forwards its clients' bytes):
+        // it ends that stream only. A bad header ended the connection above.
+        if (h.stream == 0) throw;
+        ++server_.stats.protocolErrors;
+        log::warn("store server: ending stream {} of {}: protocol error: {}", h.stream, peer(),
+                  e.what());
+        if (auto it = streams_.find(h.stream); it != streams_.end()) endStream(*it->second);
+      }
       inStart_ += kHeaderSize + h.bodyLength;
       if (inStart_ == inEnd_) {
         inStart_ = inEnd_ = 0;
         if (in_.size() > kMaxReadSize)
           std::vector<std::uint8_t>().swap(in_);  // give back a big frame's buffer
       }
+      if (!req) continue;
       ++server_.stats.requestsServed;
+      if (mux_) {
+        dispatch(h.stream, std::move(*req));
+        continue;
+      }
       holding_ = true;
-      if (!co_await handleFramed(*main_, req)) co_return;
+      if (!co_await handleFramed(*main_, *req)) co_return;
       if (closed_) co_return;
     }
   }
@@ -424,14 +420,13 @@ class Session : public std::enable_shared_from_this<Session> {
         log::warn("store server: ending stream {} of {}: protocol error: {}", stream->number,
                   peer(), e.what());
       } catch (const std::exception&) {
-        keep = false;  // ended or closed while it waited
+        // ended or closed while it waited
       }
-      if (!keep) {
-        if (stream->number == 0) {
-          closeAfterFlush();
-        } else {
-          endStream(*stream);
-        }
+      if (keep) continue;
+      if (stream->number == 0) {
+        closeAfterFlush();
+      } else {
+        endStream(*stream);
       }
     }
     stream->busy = false;
@@ -459,20 +454,11 @@ class Session : public std::enable_shared_from_this<Session> {
     send(std::move(frame));
   }
 
-  // Refuses a stream after an error reply: an ordinary connection closes; a stream ends.
-  void refuse(Stream& stream) {
-    if (stream.number == 0) {
-      closeAfterFlush();
-    } else {
-      endStream(stream);
-    }
-  }
-
-  // Handles one request of `s`. Returns false when `s` must end (a connection closes, a
-  // stream ends) after its error reply.
+  // Handles one request of `s`. Returns false when `s` must end after its error reply: the
+  // caller closes the connection (stream 0) or ends the stream.
   awaitable<bool> handleFramed(Stream& s, const Request& req) {
     if (req.op == Op::kHello) {
-      if (s.run != nullptr || !s.runId.empty()) throw ProtocolError("HELLO sent twice");
+      if (!s.runId.empty()) throw ProtocolError("HELLO sent twice");
       s.runId = req.keys[0];
       if (s.runId.empty()) throw ProtocolError("HELLO with an empty run id");
       Response resp;
@@ -500,7 +486,6 @@ class Session : public std::enable_shared_from_this<Session> {
         log::warn("store server: {} from {} failed authentication for run '{}'", what(s), peer(),
                   s.runId);
         reply(s, encodeResponse(req.op, Response{Status::kError, 0, "authentication failed", {}}));
-        refuse(s);
         co_return false;
       }
       s.authenticated = true;
@@ -515,11 +500,10 @@ class Session : public std::enable_shared_from_this<Session> {
       reply(s, encodeResponse(
                    req.op,
                    Response{Status::kError, 0, "not authenticated: send HELLO (and AUTH) first", {}}));
-      refuse(s);
       co_return false;
     }
     if (req.op == Op::kMux) {
-      if (s.number != 0 || mux_ || s.joined) throw ProtocolError("MUX on a stream, twice, or after JOIN");
+      if (mux_ || s.joined) throw ProtocolError("MUX on a stream, twice, or after JOIN");
       reply(s, encodeResponse(req.op, Response{}));
       release();    // the reply leaves as an ordinary connection's would,
       mux_ = true;  // and everything after it as streams
@@ -532,7 +516,7 @@ class Session : public std::enable_shared_from_this<Session> {
     const bool rendezvousOp = req.op == Op::kJoin || req.op == Op::kHeartbeat ||
                               req.op == Op::kEndRound || req.op == Op::kSucceeded ||
                               req.op == Op::kCloseRun;
-    if (rendezvousOp && (s.number != 0 || mux_)) {
+    if (rendezvousOp && mux_) {
       // A member's events go to its connection, and its connection's end is its leaving:
       // an agent joins on a connection of its own.
       reply(s, encodeResponse(req.op, Response{Status::kError, 0,

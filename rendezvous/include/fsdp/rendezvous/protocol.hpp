@@ -96,8 +96,7 @@ struct Header {
   std::uint16_t stream = 0;
 };
 
-// The stream field of an encoded frame (at least kHeaderSize bytes), read or set in place.
-std::uint16_t frameStream(std::span<const std::uint8_t> frame);
+// Sets the stream field of an encoded frame (at least kHeaderSize bytes) in place.
 void setFrameStream(std::span<std::uint8_t> frame, std::uint16_t stream);
 
 struct Request {
