@@ -105,7 +105,9 @@ TEST(MultiNode, TwoAgentsOfTwoWorkersTrainMnistAsOneJob) {
   for (int node = 0; node < 2; ++node) {
     agents.push_back(std::make_unique<Agent>(
         dir, "agent" + std::to_string(node),
-        withCommand(jobArgs("2", port, "mnist2x2", node, {"--nproc_per_node", "2"}),
+        // Node 0 hosts: with both on loopback, either could bind the endpoint first otherwise.
+        withCommand(jobArgs("2", port, "mnist2x2", node,
+                            {"--nproc_per_node", "2", "--rdzv_conf", node == 0 ? "is_host=true" : "is_host=false"}),
                     {kBin + "/mnist", "--max_steps", "20", "--no_eval"}),
         std::vector<std::string>{"FSDP_LOG_LEVEL=info"}));
   }
@@ -295,7 +297,7 @@ TEST(MultiNode, AForeignServiceOnTheEndpointIsNamedNotWaitedOnForever) {
   const int port = foreign.port();
   const auto r = fsdp::testing::runCommand(
       {kFsdprun, "--nnodes", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint",
-       "127.0.0.1:" + std::to_string(port), "--rdzv_conf", "join_timeout=2", "/bin/true"},
+       "127.0.0.1:" + std::to_string(port), "--rdzv_conf", "join_timeout=4", "/bin/true"},
       30s);
   EXPECT_EQ(r.exitCode, 2) << r.err;
   EXPECT_NE(r.err.find("127.0.0.1:" + std::to_string(port)), std::string::npos) << r.err;
