@@ -91,7 +91,7 @@ int main(int argc, char** argv) {
        "1.13, medians of alternating reps; clients: LibTorch's own (a thread each) and/or "
        "event-driven wire clients, the same for every server; --nodes K adds ours with the "
        "clients spread over K node processes, each through its own store proxy (--clients "
-       "1000,10000 --server ours|c10d|both --client libtorch|wire|both --reps 3 --nodes 0)",
+       "1000,10000 --server ours|c10d|both --client libtorch|wire|both --reps 3; no --nodes by default)",
        {"clients", "server", "client", "reps", "nodes"},
        storeInit},
       {"launch",

@@ -61,7 +61,9 @@ void raiseFdLimit() {
 // A child process driven through its stdin and read through its stdout, line by line.
 class Helper {
  public:
-  explicit Helper(std::vector<std::string> argv) {
+  // `stopBySigterm`: a daemon (fsdprun-rdzv) that serves until SIGTERM rather than until its
+  // stdin closes.
+  explicit Helper(std::vector<std::string> argv, bool stopBySigterm = false) : stopBySigterm_(stopBySigterm) {
     int in[2], out[2];
     if (::pipe2(in, O_CLOEXEC) != 0 || ::pipe2(out, O_CLOEXEC) != 0) throwErrno("pipe2", errno);
     SpawnOptions options{.argv = std::move(argv), .env = currentEnvironment()};
@@ -76,7 +78,9 @@ class Helper {
   ~Helper() {
     ::close(write_);
     ::close(read_);
-    if (process_) process_->waitFor(std::chrono::seconds(10));
+    if (!process_) return;
+    if (stopBySigterm_) process_->signal(SIGTERM);
+    process_->waitFor(std::chrono::seconds(10));
   }
   void send(const std::string& line) {
     const std::string l = line + "\n";
@@ -107,6 +111,7 @@ class Helper {
   std::optional<ChildProcess> process_;
   int write_ = -1;
   int read_ = -1;
+  bool stopBySigterm_ = false;
   std::string buffer_;
 };
 
@@ -519,7 +524,9 @@ ServerProcess startServer(const std::string& kind) {
   ServerProcess s;
   const std::string exe = selfExe();
   if (kind == "fsdprun") {
-    s.helper = std::make_unique<Helper>(std::vector<std::string>{exe.substr(0, exe.rfind('/')) + "/fsdprun-rdzv", "--port", "0"});
+    s.helper = std::make_unique<Helper>(
+        std::vector<std::string>{exe.substr(0, exe.rfind('/')) + "/fsdprun-rdzv", "--port", "0"},
+        /*stopBySigterm=*/true);
   } else {
     s.helper = std::make_unique<Helper>(std::vector<std::string>{exe, "c10d_server"});
   }
@@ -576,7 +583,8 @@ void storeInit(const Args& args) {
   const int reps = static_cast<int>(args.ints("reps", "3").front());
   // With --nodes K, a third setup: the LibTorch-style clients spread over K processes (nodes),
   // each reaching our server through its own store proxy, as an fsdprun agent's workers do.
-  const int nodes = static_cast<int>(args.ints("nodes", "0").front());
+  // (0, the default: no proxy setup; the flag itself takes positive counts only.)
+  const int nodes = args.str("nodes", "").empty() ? 0 : static_cast<int>(args.ints("nodes", "").front());
   std::vector<std::string> clientKinds;
   if (clientFlag != "wire") clientKinds.push_back("libtorch");
   if (clientFlag != "libtorch") clientKinds.push_back("wire");

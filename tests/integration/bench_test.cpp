@@ -1,0 +1,74 @@
+// fsdp-bench's store benchmarks at toy sizes: they run with only the flags a user gives, print
+// one JSON line per size with every setup's figures, and a bad flag value is a usage error.
+// (The figures themselves are the benchmark's business, not a test's.)
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "run_command.hpp"
+
+namespace {
+
+using namespace std::chrono_literals;
+
+const std::string kBench = std::string(FSDP_BIN_DIR) + "/fsdp-bench";
+
+std::vector<nlohmann::json> jsonLines(const std::string& out) {
+  std::vector<nlohmann::json> lines;
+  std::istringstream in(out);
+  for (std::string line; std::getline(in, line);) {
+    if (!line.empty() && line.front() == '{') lines.push_back(nlohmann::json::parse(line));
+  }
+  return lines;
+}
+
+TEST(FsdpBench, StoreInitRunsWithItsDefaultsAndReportsBothServers) {
+  const auto r = fsdp::testing::runCommand(
+      {kBench, "store_init", "--clients", "20", "--reps", "1", "--client", "libtorch"}, 60s);
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  const auto lines = jsonLines(r.out);
+  ASSERT_EQ(lines.size(), 1u) << r.out;
+  const auto& line = lines.front();
+  EXPECT_EQ(line.at("bench"), "store_init");
+  EXPECT_EQ(line.at("clients"), 20);
+  EXPECT_GT(line.at("fsdprun_s_median").get<double>(), 0.0) << line;
+  EXPECT_GT(line.at("c10d_s_median").get<double>(), 0.0) << line;
+  EXPECT_TRUE(line.contains("speedup")) << line;
+  EXPECT_FALSE(line.contains("proxy_nodes")) << line;
+}
+
+TEST(FsdpBench, StoreInitThroughNodeProxiesAddsThatSetup) {
+  const auto r = fsdp::testing::runCommand({kBench, "store_init", "--clients", "20", "--reps", "1",
+                                            "--client", "libtorch", "--server", "ours", "--nodes", "2"},
+                                           60s);
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  const auto lines = jsonLines(r.out);
+  ASSERT_EQ(lines.size(), 1u) << r.out;
+  EXPECT_EQ(lines.front().at("proxy_nodes"), 2);
+  EXPECT_GT(lines.front().at("fsdprun_proxy_s_median").get<double>(), 0.0) << lines.front();
+  EXPECT_FALSE(lines.front().contains("c10d_s_median")) << lines.front();
+}
+
+TEST(FsdpBench, RdzvJoinReportsItsRound) {
+  const auto r = fsdp::testing::runCommand({kBench, "rdzv_join", "--agents", "10"}, 60s);
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  const auto lines = jsonLines(r.out);
+  ASSERT_EQ(lines.size(), 1u) << r.out;
+  EXPECT_EQ(lines.front().at("agents"), 10);
+  EXPECT_GT(lines.front().at("first_join_to_last_assignment_s").get<double>(), 0.0);
+}
+
+TEST(FsdpBench, ABadFlagValueIsAUsageErrorNamingTheFlag) {
+  for (const std::vector<std::string>& args : {std::vector<std::string>{"--nodes", "0"},
+                                              {"--clients", "ten"},
+                                              {"--client", "python"}}) {
+    std::vector<std::string> argv = {kBench, "store_init"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    const auto r = fsdp::testing::runCommand(argv, 30s);
+    EXPECT_EQ(r.exitCode, 2) << args[0] << ": " << r.err;
+    EXPECT_NE(r.err.find(args[0] + " '" + args[1] + "'"), std::string::npos) << r.err;
+  }
+}
+
+}  // namespace
