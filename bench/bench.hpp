@@ -47,7 +47,7 @@ void storeInit(const Args& args);
 int rdzvJoinHelper(std::uint16_t port, int count, int total);
 int storeInitHelper(const std::string& server, std::uint16_t port, int count, int total);
 int storeInitWireHelper(const std::string& wire, std::uint16_t port, int count, int total);
-int c10dServer();
+int c10dServer(bool presized);
 void launch(const Args& args);
 void restart(const Args& args);
 void multiAgent(const Args& args);

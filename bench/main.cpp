@@ -91,8 +91,9 @@ int main(int argc, char** argv) {
        "1.13, medians of alternating reps; clients: LibTorch's own (a thread each) and/or "
        "event-driven wire clients, the same for every server; --nodes K adds ours with the "
        "clients spread over K node processes, each through its own store proxy (--clients "
-       "1000,10000 --server ours|c10d|both --client libtorch|wire|both --reps 3; no --nodes by default)",
-       {"clients", "server", "client", "reps", "nodes"},
+       "1000,10000 --server ours|c10d|both --client libtorch|wire|both --reps 3 --c10d_fds "
+       "as_shipped|presized; no --nodes by default)",
+       {"clients", "server", "client", "reps", "nodes", "c10d_fds"},
        storeInit},
       {"launch",
        "fsdprun vs torchrun (--monitor_interval 0.1): --standalone --nproc_per_node N: wall of a "
@@ -145,7 +146,7 @@ int main(int argc, char** argv) {
       return storeInitWireHelper(argv[2], static_cast<std::uint16_t>(std::stoi(argv[3])), std::stoi(argv[4]),
                                  std::stoi(argv[5]));
     }
-    if (first == "c10d_server") return c10dServer();
+    if (first == "c10d_server" && argc == 3) return c10dServer(std::string(argv[2]) == "presized");
     if (first == "collectives_worker" && argc == 4) return collectivesWorker(argv[2], std::stoi(argv[3]));
   } catch (const std::exception& e) {
     std::cout << "error: " << e.what() << std::endl;

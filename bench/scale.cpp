@@ -57,6 +57,18 @@ void raiseFdLimit() {
   }
 }
 
+// Grows this process's descriptor table to hold `n` descriptors now, while it has one thread.
+// A table shared by threads grows by doubling, and each doubling waits for an RCU grace period
+// while every thread that opens a descriptor meanwhile sleeps: with a thousand simulated ranks
+// in one process that stalls both cores for milliseconds at a time. Real ranks are processes
+// with a few descriptors each; the stall is the simulator's, not the store's.
+void reserveFds(int n) {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0) return;
+  const int top = static_cast<int>(std::min<rlim_t>(static_cast<rlim_t>(n), limit.rlim_cur)) - 1;
+  if (top > 2 && ::dup2(STDERR_FILENO, top) == top) ::close(top);
+}
+
 
 // A child process driven through its stdin and read through its stdout, line by line.
 class Helper {
@@ -232,6 +244,7 @@ namespace {
 // unmap its stack and interrupt the other core, and a close would be work for the server.
 int storeInitHelper(const std::string& server, std::uint16_t port, int count, int total) {
   raiseFdLimit();
+  reserveFds(3 * count + 256);  // c10d's client: two connections and an event fd each
   // "proxy": this process is a node whose agent carries its ranks on one server connection.
   std::optional<rendezvous::StoreProxy> proxy;
   if (server == "proxy") {
@@ -462,6 +475,7 @@ void runWireClients(const std::string& wire, std::uint16_t port, int count, int 
 // epoll (no thread per client: what is measured is the server, not the clients' scheduling).
 int storeInitWireHelper(const std::string& wire, std::uint16_t port, int count, int total) {
   raiseFdLimit();
+  reserveFds(count + 256);
   constexpr int kThreads = 2;
   std::latch go(1);
   std::vector<long long> starts(kThreads), ends(kThreads);
@@ -499,8 +513,11 @@ int storeInitWireHelper(const std::string& wire, std::uint16_t port, int count, 
 }
 
 // Hidden: a c10d::TCPStore server in its own process, like fsdprun-rdzv.
-int c10dServer() {
+// `presized`: its descriptor table grown before it starts, as fsdprun-rdzv's is (c10d's
+// grows as connections come).
+int c10dServer(bool presized) {
   raiseFdLimit();
+  if (presized) reserveFds(1 << 17);
   c10d::TCPStoreOptions o;
   o.port = 0;
   o.isServer = true;
@@ -520,7 +537,7 @@ struct ServerProcess {
   std::uint16_t port = 0;
 };
 
-ServerProcess startServer(const std::string& kind) {
+ServerProcess startServer(const std::string& kind, bool presizedC10d = false) {
   ServerProcess s;
   const std::string exe = selfExe();
   if (kind == "fsdprun") {
@@ -528,7 +545,8 @@ ServerProcess startServer(const std::string& kind) {
         std::vector<std::string>{exe.substr(0, exe.rfind('/')) + "/fsdprun-rdzv", "--port", "0"},
         /*stopBySigterm=*/true);
   } else {
-    s.helper = std::make_unique<Helper>(std::vector<std::string>{exe, "c10d_server"});
+    s.helper = std::make_unique<Helper>(
+        std::vector<std::string>{exe, "c10d_server", presizedC10d ? "presized" : "as_shipped"});
   }
   const auto line = s.helper->readLine(std::chrono::seconds(10));
   const auto colon = line.rfind(':', line.find(" ("));
@@ -579,6 +597,12 @@ void storeInit(const Args& args) {
   if (clientFlag != "both" && clientFlag != "libtorch" && clientFlag != "wire") {
     throw ConfigError("--client '" + clientFlag + "': expected libtorch, wire or both");
   }
+  // c10d's server as it ships grows its descriptor table as clients connect; "presized" gives
+  // it the table fsdprun-rdzv sizes up front, to show what that choice alone is worth.
+  const std::string c10dFds = args.str("c10d_fds", "as_shipped");
+  if (c10dFds != "as_shipped" && c10dFds != "presized") {
+    throw ConfigError("--c10d_fds '" + c10dFds + "': expected as_shipped or presized");
+  }
   const std::string exe = selfExe();
   const int reps = static_cast<int>(args.ints("reps", "3").front());
   // With --nodes K, a third setup: the LibTorch-style clients spread over K processes (nodes),
@@ -623,7 +647,7 @@ void storeInit(const Args& args) {
       // Alternate the setups rep by rep, so that all see the same machine.
       for (int rep = 0; rep < reps; ++rep) {
         for (const auto& setup : setups) {
-          ServerProcess server = startServer(setup.server);
+          ServerProcess server = startServer(setup.server, c10dFds == "presized");
           const int processes =
               setup.processes > 0 ? setup.processes : static_cast<int>(std::max(1LL, (clients + 1999) / 2000));
           const double cpuBefore = cpuSeconds(server.helper->pid());
@@ -636,6 +660,7 @@ void storeInit(const Args& args) {
       }
       nlohmann::json line = {{"bench", "store_init"}, {"clients", clients}, {"client", client}, {"reps", reps}};
       if (nodes > 0 && client == "libtorch") line["proxy_nodes"] = nodes;
+      if (which != "ours") line["c10d_fds"] = c10dFds;
       for (const auto& setup : setups) {
         line[setup.name + "_s_median"] = percentile(seconds[setup.name], 0.5);
         line[setup.name + "_server_cpu_s_median"] = percentile(serverCpu[setup.name], 0.5);

@@ -1,5 +1,9 @@
 #include "fsdp/rendezvous/store_server.hpp"
 
+#include <fcntl.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <boost/asio.hpp>
 #include <boost/asio/experimental/awaitable_operators.hpp>
 #include <deque>
@@ -827,6 +831,25 @@ awaitable<void> StoreServer::Impl::sweepRuns() {
   }
 }
 
+namespace {
+
+// Grows the process's descriptor table now to as many descriptors as it may open (at most
+// 2^17): a table shared by threads grows by doubling under load, and every doubling makes the
+// accepting thread wait an RCU grace period (milliseconds in a VM) while connections queue.
+// Costs 8 bytes per slot, once.
+// `fd`: any open descriptor (duplicated to the top slot and closed again; F_DUPFD never
+// replaces a descriptor that is open).
+void reserveDescriptorTable(int fd) {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0) return;
+  const auto slots = std::min<rlim_t>(limit.rlim_cur, rlim_t{1} << 17);
+  if (slots <= 64) return;  // the table's first size
+  const int top = ::fcntl(fd, F_DUPFD_CLOEXEC, static_cast<int>(slots) - 1);
+  if (top >= 0) ::close(top);
+}
+
+}  // namespace
+
 StoreServer::StoreServer(ServerOptions options) : impl_(std::make_unique<Impl>()) {
   impl_->options = std::move(options);
   impl_->allowPytorch = impl_->options.allowPytorchClients.value_or(impl_->options.token.empty());
@@ -838,6 +861,7 @@ StoreServer::StoreServer(ServerOptions options) : impl_(std::make_unique<Impl>()
     impl_->acceptor.set_option(tcp::acceptor::reuse_address(true));
     impl_->acceptor.bind(endpoint);
     impl_->acceptor.listen(asio::socket_base::max_listen_connections);
+    reserveDescriptorTable(impl_->acceptor.native_handle());
   } catch (const boost::system::system_error& e) {
     throw NetworkError("store server: cannot listen on " + where + ": " + e.code().message(),
                        where);

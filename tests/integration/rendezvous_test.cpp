@@ -139,6 +139,22 @@ TEST(Rendezvous, DaemonSigtermTellsAgentsAndExitsZeroWithinASecond) {
   EXPECT_NE(closed->find("server shutting down"), std::string::npos);
 }
 
+// The daemon takes the hard limit on descriptors (a soft limit of 1,024 would refuse the
+// 1,021st rank) and sizes its descriptor table for it before serving, so that the table never
+// grows (an RCU grace period each time) while thousands of ranks connect.
+TEST(Rendezvous, DaemonTakesTheHardDescriptorLimitAndSizesItsTableUpFront) {
+  RdzvDaemon d({}, {"prlimit", "--nofile=256:4096"});
+  const std::string proc = "/proc/" + std::to_string(d.process().pid());
+  const auto number = [](const std::string& text, const std::string& label) {
+    const auto at = text.find(label);
+    return at == std::string::npos ? -1L : std::stol(text.substr(text.find_first_of("0123456789", at)));
+  };
+  const std::string limits = fsdp::testing::readFile(proc + "/limits");
+  EXPECT_EQ(number(limits, "Max open files"), 4096) << limits;
+  const std::string status = fsdp::testing::readFile(proc + "/status");
+  EXPECT_GE(number(status, "FDSize:"), 4096) << status;
+}
+
 TEST(Rendezvous, OnlyAgentsWithTheTokenGetIn) {
   fsdp::testing::TempDir dir;
   std::ofstream(dir.path() + "/token") << "correct horse\n";

@@ -10,11 +10,11 @@
 
 namespace fsdp::testing {
 
-RdzvDaemon::RdzvDaemon(const std::vector<std::string>& args) {
+RdzvDaemon::RdzvDaemon(const std::vector<std::string>& args, const std::vector<std::string>& wrapper) {
   int fds[2];
   if (::pipe2(fds, O_CLOEXEC) != 0) throwErrno("pipe2", errno);
-  SpawnOptions options{.argv = {std::string(FSDP_BIN_DIR) + "/fsdprun-rdzv", "--port", "0"},
-                       .env = currentEnvironment()};
+  SpawnOptions options{.argv = wrapper, .env = currentEnvironment()};
+  options.argv.insert(options.argv.end(), {std::string(FSDP_BIN_DIR) + "/fsdprun-rdzv", "--port", "0"});
   options.argv.insert(options.argv.end(), args.begin(), args.end());
   options.stdoutFd = fds[1];
   process_.emplace(ChildProcess::spawn(options));

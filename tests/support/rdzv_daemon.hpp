@@ -13,8 +13,10 @@ namespace fsdp::testing {
 
 class RdzvDaemon {
  public:
-  // Starts build/bin/fsdprun-rdzv --port 0 plus `args`, and reads the port it prints.
-  explicit RdzvDaemon(const std::vector<std::string>& args = {});
+  // Starts build/bin/fsdprun-rdzv --port 0 plus `args` (behind `wrapper`, a command that
+  // execs the rest, e.g. prlimit, when given), and reads the port it prints.
+  explicit RdzvDaemon(const std::vector<std::string>& args = {},
+                      const std::vector<std::string>& wrapper = {});
   std::uint16_t port() const { return port_; }
   ChildProcess& process() { return *process_; }
 
