@@ -660,10 +660,10 @@ void storeInit(const Args& args) {
       }
       nlohmann::json line = {{"bench", "store_init"}, {"clients", clients}, {"client", client}, {"reps", reps}};
       if (nodes > 0 && client == "libtorch") line["proxy_nodes"] = nodes;
-      if (which != "ours") line["c10d_fds"] = c10dFds;
       for (const auto& setup : setups) {
         line[setup.name + "_s_median"] = percentile(seconds[setup.name], 0.5);
         line[setup.name + "_server_cpu_s_median"] = percentile(serverCpu[setup.name], 0.5);
+        if (setup.server == "c10d") line["c10d_fds"] = c10dFds;
       }
       if (line.contains("fsdprun_s_median") && line.contains("c10d_s_median")) {
         line["speedup"] = line["c10d_s_median"].get<double>() / line["fsdprun_s_median"].get<double>();

@@ -13,6 +13,7 @@
 #include "connection.hpp"
 #include "fsdp/common/error.hpp"
 #include "fsdp/common/log.hpp"
+#include "session_io.hpp"
 
 namespace fsdp::rendezvous {
 
@@ -303,6 +304,7 @@ StoreProxy::StoreProxy(ProxyOptions options) : impl_(std::make_unique<Impl>()) {
     impl_->acceptor.set_option(tcp::acceptor::reuse_address(true));
     impl_->acceptor.bind(endpoint);
     impl_->acceptor.listen(asio::socket_base::max_listen_connections);
+    reserveDescriptorTable(impl_->acceptor.native_handle());
     impl_->port = impl_->acceptor.local_endpoint().port();
   } catch (const boost::system::system_error& e) {
     throw NetworkError("store proxy: cannot listen on " + where + ": " + e.code().message(), where);

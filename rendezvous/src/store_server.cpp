@@ -831,14 +831,6 @@ awaitable<void> StoreServer::Impl::sweepRuns() {
   }
 }
 
-namespace {
-
-// Grows the process's descriptor table now to as many descriptors as it may open (at most
-// 2^17): a table shared by threads grows by doubling under load, and every doubling makes the
-// accepting thread wait an RCU grace period (milliseconds in a VM) while connections queue.
-// Costs 8 bytes per slot, once.
-// `fd`: any open descriptor (duplicated to the top slot and closed again; F_DUPFD never
-// replaces a descriptor that is open).
 void reserveDescriptorTable(int fd) {
   rlimit limit{};
   if (::getrlimit(RLIMIT_NOFILE, &limit) != 0) return;
@@ -847,8 +839,6 @@ void reserveDescriptorTable(int fd) {
   const int top = ::fcntl(fd, F_DUPFD_CLOEXEC, static_cast<int>(slots) - 1);
   if (top >= 0) ::close(top);
 }
-
-}  // namespace
 
 StoreServer::StoreServer(ServerOptions options) : impl_(std::make_unique<Impl>()) {
   impl_->options = std::move(options);
