@@ -49,27 +49,6 @@ long long nowNs() {
 // Part `index` of `total` split into `parts` nearly equal parts.
 int shareOf(int total, int parts, int index) { return total / parts + (index < total % parts ? 1 : 0); }
 
-void raiseFdLimit() {
-  rlimit limit{};
-  if (::getrlimit(RLIMIT_NOFILE, &limit) == 0) {
-    limit.rlim_cur = limit.rlim_max;
-    ::setrlimit(RLIMIT_NOFILE, &limit);
-  }
-}
-
-// Grows this process's descriptor table to hold `n` descriptors now, while it has one thread.
-// A table shared by threads grows by doubling, and each doubling waits for an RCU grace period
-// while every thread that opens a descriptor meanwhile sleeps: with a thousand simulated ranks
-// in one process that stalls both cores for milliseconds at a time. Real ranks are processes
-// with a few descriptors each; the stall is the simulator's, not the store's.
-void reserveFds(int n) {
-  rlimit limit{};
-  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0) return;
-  const int top = static_cast<int>(std::min<rlim_t>(static_cast<rlim_t>(n), limit.rlim_cur)) - 1;
-  if (top > 2 && ::dup2(STDERR_FILENO, top) == top) ::close(top);
-}
-
-
 // A child process driven through its stdin and read through its stdout, line by line.
 class Helper {
  public:
@@ -185,7 +164,7 @@ Spread runHelpers(const std::vector<std::vector<std::string>>& argvs, std::chron
 
 // Hidden: one process's share of rdzv_join agents.
 int rdzvJoinHelper(std::uint16_t port, int count, int total) {
-  raiseFdLimit();
+  raiseDescriptorLimit();
   std::vector<std::unique_ptr<rendezvous::RendezvousClient>> agents;
   agents.reserve(static_cast<std::size_t>(count));
   const auto pid = std::to_string(::getpid());
@@ -243,8 +222,10 @@ namespace {
 // (a rank keeps its store for the whole job): a thread exiting inside the timed window would
 // unmap its stack and interrupt the other core, and a close would be work for the server.
 int storeInitHelper(const std::string& server, std::uint16_t port, int count, int total) {
-  raiseFdLimit();
-  reserveFds(3 * count + 256);  // c10d's client: two connections and an event fd each
+  raiseDescriptorLimit();
+  // Separate rank processes would not share a descriptor table; one shared by a thousand
+  // threads must not grow (and stall them all) inside the timed window.
+  reserveDescriptorTable(3 * static_cast<std::size_t>(count) + 256);  // c10d's: 2 sockets + a pipe each
   // "proxy": this process is a node whose agent carries its ranks on one server connection.
   std::optional<rendezvous::StoreProxy> proxy;
   if (server == "proxy") {
@@ -474,8 +455,8 @@ void runWireClients(const std::string& wire, std::uint16_t port, int count, int 
 // Hidden: one process's share of wire-level store_init clients, two threads each with its own
 // epoll (no thread per client: what is measured is the server, not the clients' scheduling).
 int storeInitWireHelper(const std::string& wire, std::uint16_t port, int count, int total) {
-  raiseFdLimit();
-  reserveFds(count + 256);
+  raiseDescriptorLimit();
+  reserveDescriptorTable(static_cast<std::size_t>(count) + 256);
   constexpr int kThreads = 2;
   std::latch go(1);
   std::vector<long long> starts(kThreads), ends(kThreads);
@@ -516,8 +497,8 @@ int storeInitWireHelper(const std::string& wire, std::uint16_t port, int count, 
 // `presized`: its descriptor table grown before it starts, as fsdprun-rdzv's is (c10d's
 // grows as connections come).
 int c10dServer(bool presized) {
-  raiseFdLimit();
-  if (presized) reserveFds(1 << 17);
+  raiseDescriptorLimit();
+  if (presized) reserveDescriptorTable(std::size_t{1} << 17);
   c10d::TCPStoreOptions o;
   o.port = 0;
   o.isServer = true;

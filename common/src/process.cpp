@@ -13,6 +13,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <cstdlib>
@@ -265,6 +266,28 @@ double peakRssMb() {
   rusage usage{};
   ::getrusage(RUSAGE_SELF, &usage);
   return static_cast<double>(usage.ru_maxrss) / 1024.0;
+}
+
+void raiseDescriptorLimit() {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) == 0 && limit.rlim_cur < limit.rlim_max) {
+    limit.rlim_cur = limit.rlim_max;
+    ::setrlimit(RLIMIT_NOFILE, &limit);
+  }
+}
+
+void reserveDescriptorTable(std::size_t slots) {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0) return;
+  slots = std::min<std::size_t>({slots, limit.rlim_cur, std::size_t{1} << 24});
+  if (slots <= 64) return;  // the table's first size
+  // Some descriptor duplicated into the top slot and closed again: F_DUPFD takes the lowest
+  // free slot at or above it, so nothing open is replaced.
+  const int any = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+  if (any < 0) return;
+  const int top = ::fcntl(any, F_DUPFD_CLOEXEC, static_cast<int>(slots) - 1);
+  if (top >= 0) ::close(top);
+  ::close(any);
 }
 
 std::vector<std::string> currentEnvironment() {

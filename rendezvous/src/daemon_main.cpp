@@ -2,7 +2,6 @@
 // then stops accepting, tells its clients, and exits 0.
 //   fsdprun-rdzv --host 0.0.0.0 --port 29400 --token_file /run/job.token
 #include <signal.h>
-#include <sys/resource.h>
 
 #include <CLI/CLI.hpp>
 #include <fstream>
@@ -11,6 +10,7 @@
 
 #include "fsdp/common/error.hpp"
 #include "fsdp/common/log.hpp"
+#include "fsdp/common/process.hpp"
 #include "fsdp/rendezvous/store_server.hpp"
 
 namespace {
@@ -24,17 +24,6 @@ std::string readToken(const std::string& path) {
   while (!token.empty() && (token.back() == '\n' || token.back() == '\r')) token.pop_back();
   if (token.empty()) throw fsdp::ConfigError("--token_file '" + path + "': the file is empty");
   return token;
-}
-
-// A store for thousands of ranks holds thousands of connections: take the hard limit on
-// descriptors (the soft one is often 1,024). Before the server starts, which sizes its
-// descriptor table by it.
-void raiseDescriptorLimit() {
-  rlimit limit{};
-  if (::getrlimit(RLIMIT_NOFILE, &limit) == 0 && limit.rlim_cur < limit.rlim_max) {
-    limit.rlim_cur = limit.rlim_max;
-    ::setrlimit(RLIMIT_NOFILE, &limit);
-  }
 }
 
 }  // namespace
@@ -82,7 +71,9 @@ int main(int argc, char** argv) {
     sigaddset(&stopSignals, SIGTERM);
     sigaddset(&stopSignals, SIGINT);
     ::pthread_sigmask(SIG_BLOCK, &stopSignals, nullptr);
-    raiseDescriptorLimit();
+    // A store for thousands of ranks holds thousands of connections; before the server
+    // starts, which sizes its descriptor table by the limit.
+    fsdp::raiseDescriptorLimit();
     fsdp::rendezvous::StoreServer server(options);
     std::cout << "fsdprun-rdzv: listening on " << host << ":" << server.port()
               << (options.token.empty() ? " (no token)" : " (token required)") << std::endl;

@@ -15,11 +15,8 @@ boost::asio::awaitable<void> readExact(boost::asio::ip::tcp::socket& socket,
                                        boost::asio::mutable_buffer buffer,
                                        SteadyTimePoint deadline, const char* what);
 
-// Grows the process's descriptor table now to as many descriptors as it may open (at most
-// 2^17), so that it does not grow while clients connect: a table shared by threads grows by
-// doubling, and every doubling makes the accepting thread wait an RCU grace period
-// (milliseconds in a VM) while connections queue. Costs 8 bytes per slot, once. `fd`: any open
-// descriptor (duplicated to the top slot and closed again; nothing open is replaced).
-void reserveDescriptorTable(int fd);
+// Descriptor slots a store server or proxy reserves before it serves (reserveDescriptorTable;
+// the soft RLIMIT_NOFILE caps it): 1 MiB of table, once.
+inline constexpr std::size_t kDescriptorSlots = std::size_t{1} << 17;
 
 }  // namespace fsdp::rendezvous

@@ -13,6 +13,7 @@
 #include "connection.hpp"
 #include "fsdp/common/error.hpp"
 #include "fsdp/common/log.hpp"
+#include "fsdp/common/process.hpp"
 #include "session_io.hpp"
 
 namespace fsdp::rendezvous {
@@ -205,6 +206,7 @@ struct StoreProxy::Impl {
 
   // Forwards one client's frames, each stamped with its stream.
   awaitable<void> serveClient(std::shared_ptr<ProxyClient> client) {
+    bool opened = false;
     try {
       for (;;) {
         std::vector<std::uint8_t> frame(kHeaderSize);
@@ -225,6 +227,13 @@ struct StoreProxy::Impl {
         co_await asio::async_read(client->socket, asio::buffer(frame.data() + kHeaderSize, h.bodyLength),
                                   kUseAwaitable);
         if (client->closed || stopped) break;
+        if (!opened) {
+          // The server opens a stream with its HELLO and drops anything else on a number it
+          // does not have: a client that starts otherwise would wait for an answer forever.
+          if (h.op != Op::kHello) throw ProtocolError(opName(h.op) + " before HELLO");
+          decodeRequest(h.op, std::span(frame.data() + kHeaderSize, h.bodyLength), options.limits);
+          opened = true;
+        }
         setFrameStream(frame, client->stream);
         sendUp(std::move(frame));
       }
@@ -304,7 +313,7 @@ StoreProxy::StoreProxy(ProxyOptions options) : impl_(std::make_unique<Impl>()) {
     impl_->acceptor.set_option(tcp::acceptor::reuse_address(true));
     impl_->acceptor.bind(endpoint);
     impl_->acceptor.listen(asio::socket_base::max_listen_connections);
-    reserveDescriptorTable(impl_->acceptor.native_handle());
+    reserveDescriptorTable(kDescriptorSlots);
     impl_->port = impl_->acceptor.local_endpoint().port();
   } catch (const boost::system::system_error& e) {
     throw NetworkError("store proxy: cannot listen on " + where + ": " + e.code().message(), where);

@@ -1,9 +1,5 @@
 #include "fsdp/rendezvous/store_server.hpp"
 
-#include <fcntl.h>
-#include <sys/resource.h>
-#include <unistd.h>
-
 #include <boost/asio.hpp>
 #include <boost/asio/experimental/awaitable_operators.hpp>
 #include <deque>
@@ -14,6 +10,7 @@
 #include "fsdp/common/env.hpp"
 #include "fsdp/common/error.hpp"
 #include "fsdp/common/log.hpp"
+#include "fsdp/common/process.hpp"
 #include "fsdp/common/sha256.hpp"
 #include "fsdp/rendezvous/kv_store.hpp"
 #include "fsdp/rendezvous/round.hpp"
@@ -831,15 +828,6 @@ awaitable<void> StoreServer::Impl::sweepRuns() {
   }
 }
 
-void reserveDescriptorTable(int fd) {
-  rlimit limit{};
-  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0) return;
-  const auto slots = std::min<rlim_t>(limit.rlim_cur, rlim_t{1} << 17);
-  if (slots <= 64) return;  // the table's first size
-  const int top = ::fcntl(fd, F_DUPFD_CLOEXEC, static_cast<int>(slots) - 1);
-  if (top >= 0) ::close(top);
-}
-
 StoreServer::StoreServer(ServerOptions options) : impl_(std::make_unique<Impl>()) {
   impl_->options = std::move(options);
   impl_->allowPytorch = impl_->options.allowPytorchClients.value_or(impl_->options.token.empty());
@@ -851,7 +839,7 @@ StoreServer::StoreServer(ServerOptions options) : impl_(std::make_unique<Impl>()
     impl_->acceptor.set_option(tcp::acceptor::reuse_address(true));
     impl_->acceptor.bind(endpoint);
     impl_->acceptor.listen(asio::socket_base::max_listen_connections);
-    reserveDescriptorTable(impl_->acceptor.native_handle());
+    reserveDescriptorTable(kDescriptorSlots);
   } catch (const boost::system::system_error& e) {
     throw NetworkError("store server: cannot listen on " + where + ": " + e.code().message(),
                        where);

@@ -2,8 +2,10 @@
 // on loopback.
 #include <gtest/gtest.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <future>
 #include <random>
 #include <thread>
@@ -33,6 +35,18 @@ bool eventually(F stat, std::uint64_t want) {
     std::this_thread::sleep_for(5ms);
   }
   return true;
+}
+
+// True when the peer closes `fd` (EOF or reset) within `limit`, whatever it sends first.
+bool closedWithin(int fd, std::chrono::seconds limit) {
+  const timeval tv{static_cast<time_t>(limit.count()), 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  char buf[256];
+  for (;;) {
+    const ssize_t r = ::recv(fd, buf, sizeof(buf), 0);
+    if (r == 0) return true;
+    if (r < 0) return errno != EAGAIN && errno != EWOULDBLOCK;
+  }
 }
 
 struct Node {
@@ -189,6 +203,22 @@ TEST(StoreProxy, GarbageFromOneClientClosesThatClientOnly) {
     EXPECT_GE(reply.size(), kHeaderSize);
     ::close(fd);
   }
+  // A first frame that is not a well-formed HELLO: the server would never open that stream,
+  // so the proxy closes the client at once instead of leaving it to wait.
+  const auto protocolErrors = node.proxy.stats().protocolErrors;
+  for (const bool malformedHello : {true, false}) {
+    const int fd = connectLoopback(node.proxy.port());
+    auto first = malformedHello ? encodeRequest({.op = Op::kHello, .keys = {"job"}})
+                                : encodeRequest({.op = Op::kGet, .keys = {"alive"}});
+    if (malformedHello) {
+      first.resize(first.size() - 2);
+      first[8] = static_cast<std::uint8_t>(first.size() - kHeaderSize);
+    }
+    ::send(fd, first.data(), first.size(), MSG_NOSIGNAL);
+    EXPECT_TRUE(closedWithin(fd, 5s)) << (malformedHello ? "malformed HELLO" : "GET before HELLO");
+    ::close(fd);
+  }
+  EXPECT_TRUE(eventually([&] { return node.proxy.stats().protocolErrors; }, protocolErrors + 2));
   EXPECT_GE(server.stats().protocolErrors, 1u);
   EXPECT_GE(node.proxy.stats().protocolErrors, 1u);
   EXPECT_EQ(good->get("alive"), "19");

@@ -71,6 +71,16 @@ std::vector<std::string> currentEnvironment();
 // This process's peak resident set so far, in MiB (getrusage's ru_maxrss).
 double peakRssMb();
 
+// Raises this process's soft RLIMIT_NOFILE to its hard one (the soft one is often 1,024, too
+// few for a server of thousands of connections). Children inherit it.
+void raiseDescriptorLimit();
+
+// Grows this process's descriptor table now to `slots` (capped by the soft RLIMIT_NOFILE), so
+// that it does not grow while connections come: a table shared by threads grows by doubling,
+// and every doubling makes the thread that opens a descriptor wait an RCU grace period
+// (milliseconds in a VM) while the others opening one sleep. 8 bytes per slot, once.
+void reserveDescriptorTable(std::size_t slots);
+
 // Resolves a program as execvp would (PATH lookup when there is no '/'); nullopt when no
 // executable file is found. Sets `why` to a human reason on failure.
 std::optional<std::string> findExecutable(const std::string& program, std::string* why);
