@@ -595,10 +595,6 @@ void storeInit(const Args& args) {
   if (clientFlag != "libtorch") clientKinds.push_back("wire");
   for (const long long clients : args.ints("clients", "1000,10000")) {
     for (const auto& client : clientKinds) {
-      // Past a few thousand wire clients (each thread connects its share at once) some runs
-      // hang with every client connected and waiting: not understood yet (half-open connections
-      // after an accept-queue overflow are the suspect), so the wire setup stops at 4,000.
-      if (client == "wire" && clients > 4000) continue;
       // Each setup: a server process and what its clients speak. With real LibTorch
       // clients, ours use our StoreClient and c10d's its TCPStore; with wire clients, every
       // setup gets the same event-driven client, and ours is measured twice: in its own
