@@ -614,8 +614,9 @@ void storeInit(const Args& args) {
         }
       }
       // c10d's 1.13 client opens two connections each; past a few thousand clients that is
-      // more than this machine's descriptor limit allows one server process.
-      if (which != "ours" && clients <= 4000) {
+      // more than this machine's descriptor limit allows one server process. A wire client
+      // opens one.
+      if (which != "ours" && (clients <= 4000 || client == "wire")) {
         setups.push_back({"c10d", "c10d", "c10d"});
       }
       const std::string helper = client == "libtorch" ? "store_init_helper" : "store_init_wire_helper";
