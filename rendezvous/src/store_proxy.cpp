@@ -223,14 +223,14 @@ struct StoreProxy::Impl {
           throw ProtocolError(opName(h.op) + " on stream " + std::to_string(h.stream) +
                               ": a client of the proxy cannot multiplex");
         }
+        // The server opens a stream with its HELLO and drops anything else on a number it does
+        // not have: a client that starts otherwise would wait for an answer forever.
+        if (!opened && h.op != Op::kHello) throw ProtocolError(opName(h.op) + " before HELLO");
         frame.resize(kHeaderSize + h.bodyLength);
         co_await asio::async_read(client->socket, asio::buffer(frame.data() + kHeaderSize, h.bodyLength),
                                   kUseAwaitable);
         if (client->closed || stopped) break;
         if (!opened) {
-          // The server opens a stream with its HELLO and drops anything else on a number it
-          // does not have: a client that starts otherwise would wait for an answer forever.
-          if (h.op != Op::kHello) throw ProtocolError(opName(h.op) + " before HELLO");
           decodeRequest(h.op, std::span(frame.data() + kHeaderSize, h.bodyLength), options.limits);
           opened = true;
         }
@@ -246,9 +246,15 @@ struct StoreProxy::Impl {
     }
     --stats.clientsOpen;
     client->close();
-    // Its number stays taken until the server's END_STREAM, after which nothing more of the
-    // old stream can arrive.
-    if (!client->endedByServer) sendUp(endStreamFrame(client->stream));
+    if (!opened) {
+      // Nothing of it reached the server, which would drop an END_STREAM for a stream it does
+      // not have and never acknowledge it: the number is free at once.
+      streams.erase(client->stream);
+    } else if (!client->endedByServer) {
+      // Its number stays taken until the server's END_STREAM, after which nothing more of the
+      // old stream can arrive.
+      sendUp(endStreamFrame(client->stream));
+    }
   }
 
   // Hands the server's frames to their streams' clients.
@@ -340,9 +346,14 @@ void StoreProxy::stop() {
 }
 
 ProxyStats StoreProxy::stats() const {
-  if (!impl_->thread.joinable()) return impl_->stats;
+  const auto snapshot = [impl = impl_.get()] {
+    ProxyStats s = impl->stats;
+    s.streamsInUse = impl->streams.size();
+    return s;
+  };
+  if (!impl_->thread.joinable()) return snapshot();
   std::promise<ProxyStats> result;
-  asio::post(impl_->io, [&] { result.set_value(impl_->stats); });
+  asio::post(impl_->io, [&] { result.set_value(snapshot()); });
   return result.get_future().get();
 }
 

@@ -1,9 +1,11 @@
 // Rendezvous rounds over real sockets: fsdprun-rdzv and agent processes on loopback.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/resource.h>
 
 #include <fstream>
 
+#include "fsdp/common/process.hpp"
 #include "line_reader.hpp"
 #include "rdzv_daemon.hpp"
 #include "run_command.hpp"
@@ -143,11 +145,17 @@ TEST(Rendezvous, DaemonSigtermTellsAgentsAndExitsZeroWithinASecond) {
 // 1,021st rank) and sizes its descriptor table for it before serving, so that the table never
 // grows (an RCU grace period each time) while thousands of ranks connect.
 TEST(Rendezvous, DaemonTakesTheHardDescriptorLimitAndSizesItsTableUpFront) {
+  rlimit limit{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &limit), 0);
+  if (limit.rlim_max < 4096) GTEST_SKIP() << "a hard descriptor limit of " << limit.rlim_max;
+  if (!fsdp::findExecutable("prlimit", nullptr)) GTEST_SKIP() << "prlimit (util-linux) is missing";
   RdzvDaemon d({}, {"prlimit", "--nofile=256:4096"});
   const std::string proc = "/proc/" + std::to_string(d.process().pid());
   const auto number = [](const std::string& text, const std::string& label) {
     const auto at = text.find(label);
-    return at == std::string::npos ? -1L : std::stol(text.substr(text.find_first_of("0123456789", at)));
+    if (at == std::string::npos) return -1L;
+    const auto digits = text.find_first_of("0123456789", at);
+    return digits == std::string::npos ? -1L : std::stol(text.substr(digits));
   };
   const std::string limits = fsdp::testing::readFile(proc + "/limits");
   EXPECT_EQ(number(limits, "Max open files"), 4096) << limits;

@@ -158,6 +158,7 @@ TEST(DescriptorTable, ReservingGrowsTheTableAndLeavesNothingOpen) {
   ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &limit), 0);
   const long want = static_cast<long>(std::min<rlim_t>(limit.rlim_cur, 4096));
   if (want <= 64) GTEST_SKIP() << "a soft descriptor limit of " << limit.rlim_cur;
+  if (procStatusField("FDSize:") >= want) GTEST_SKIP() << "the table is already that large";
   const auto before = openDescriptors();
   fsdp::reserveDescriptorTable(4096);
   EXPECT_GE(procStatusField("FDSize:"), want);

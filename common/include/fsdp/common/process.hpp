@@ -75,10 +75,11 @@ double peakRssMb();
 // few for a server of thousands of connections). Children inherit it.
 void raiseDescriptorLimit();
 
-// Grows this process's descriptor table now to `slots` (capped by the soft RLIMIT_NOFILE), so
-// that it does not grow while connections come: a table shared by threads grows by doubling,
-// and every doubling makes the thread that opens a descriptor wait an RCU grace period
-// (milliseconds in a VM) while the others opening one sleep. 8 bytes per slot, once.
+// Grows this process's descriptor table now to `slots` (capped by the soft RLIMIT_NOFILE and
+// by 2^24), so that it does not grow while connections come: a table shared by threads grows
+// by doubling, and every doubling makes the thread that opens a descriptor wait an RCU grace
+// period (milliseconds in a VM) while the others opening one sleep. 8 bytes per slot, once.
+// Best effort: without /dev/null to duplicate, nothing happens.
 void reserveDescriptorTable(std::size_t slots);
 
 // Resolves a program as execvp would (PATH lookup when there is no '/'); nullopt when no

@@ -38,6 +38,8 @@ struct ProxyStats {
   std::uint64_t framesUp = 0;       // client frames forwarded to the server
   std::uint64_t framesDown = 0;     // server frames forwarded to clients
   std::uint64_t protocolErrors = 0;
+  std::uint64_t streamsInUse = 0;   // numbers taken: open clients, and closed ones the server
+                                    // has not acknowledged yet
   bool serverConnected = true;
 };
 
