@@ -584,6 +584,7 @@ void storeInit(const Args& args) {
   if (c10dFds != "as_shipped" && c10dFds != "presized") {
     throw ConfigError("--c10d_fds '" + c10dFds + "': expected as_shipped or presized");
   }
+  const bool presizeC10d = c10dFds == "presized";
   const std::string exe = selfExe();
   const int reps = static_cast<int>(args.ints("reps", "3").front());
   // With --nodes K, a third setup: the LibTorch-style clients spread over K processes (nodes),
@@ -629,7 +630,7 @@ void storeInit(const Args& args) {
       // Alternate the setups rep by rep, so that all see the same machine.
       for (int rep = 0; rep < reps; ++rep) {
         for (const auto& setup : setups) {
-          ServerProcess server = startServer(setup.server, c10dFds == "presized");
+          ServerProcess server = startServer(setup.server, presizeC10d);
           const int processes =
               setup.processes > 0 ? setup.processes : static_cast<int>(std::max(1LL, (clients + 1999) / 2000));
           const double cpuBefore = cpuSeconds(server.helper->pid());

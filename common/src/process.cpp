@@ -283,11 +283,9 @@ void reserveDescriptorTable(std::size_t slots) {
   if (slots <= 64) return;  // the table's first size
   // Some descriptor duplicated into the top slot and closed again: F_DUPFD takes the lowest
   // free slot at or above it, so nothing open is replaced.
-  const int any = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
-  if (any < 0) return;
-  const int top = ::fcntl(any, F_DUPFD_CLOEXEC, static_cast<int>(slots) - 1);
-  if (top >= 0) ::close(top);
-  ::close(any);
+  const Fd any(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+  if (any.get() < 0) return;
+  const Fd top(::fcntl(any.get(), F_DUPFD_CLOEXEC, static_cast<int>(slots) - 1));
 }
 
 std::vector<std::string> currentEnvironment() {

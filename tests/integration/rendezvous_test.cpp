@@ -7,12 +7,14 @@
 
 #include "fsdp/common/process.hpp"
 #include "line_reader.hpp"
+#include "processes.hpp"
 #include "rdzv_daemon.hpp"
 #include "run_command.hpp"
 
 namespace {
 
 using fsdp::testing::LineProcess;
+using fsdp::testing::procNumber;
 using fsdp::testing::RdzvDaemon;
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
@@ -151,16 +153,8 @@ TEST(Rendezvous, DaemonTakesTheHardDescriptorLimitAndSizesItsTableUpFront) {
   if (!fsdp::findExecutable("prlimit", nullptr)) GTEST_SKIP() << "prlimit (util-linux) is missing";
   RdzvDaemon d({}, {"prlimit", "--nofile=256:4096"});
   const std::string proc = "/proc/" + std::to_string(d.process().pid());
-  const auto number = [](const std::string& text, const std::string& label) {
-    const auto at = text.find(label);
-    if (at == std::string::npos) return -1L;
-    const auto digits = text.find_first_of("0123456789", at);
-    return digits == std::string::npos ? -1L : std::stol(text.substr(digits));
-  };
-  const std::string limits = fsdp::testing::readFile(proc + "/limits");
-  EXPECT_EQ(number(limits, "Max open files"), 4096) << limits;
-  const std::string status = fsdp::testing::readFile(proc + "/status");
-  EXPECT_GE(number(status, "FDSize:"), 4096) << status;
+  EXPECT_EQ(procNumber(proc + "/limits", "Max open files"), 4096) << fsdp::testing::readFile(proc + "/limits");
+  EXPECT_GE(procNumber(proc + "/status", "FDSize:"), 4096) << fsdp::testing::readFile(proc + "/status");
 }
 
 TEST(Rendezvous, OnlyAgentsWithTheTokenGetIn) {

@@ -1,11 +1,9 @@
 // The node's store proxy: many local clients on one multiplexed connection to a real server,
 // on loopback.
 #include <gtest/gtest.h>
-#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <future>
 #include <random>
 #include <thread>
@@ -20,6 +18,7 @@
 namespace {
 
 using namespace fsdp::rendezvous;
+using fsdp::testing::closedWithin;
 using fsdp::testing::connectLoopback;
 using fsdp::testing::readUpTo;
 using namespace std::chrono_literals;
@@ -35,23 +34,6 @@ bool eventually(F stat, std::uint64_t want) {
     std::this_thread::sleep_for(5ms);
   }
   return true;
-}
-
-// True when the peer closes `fd` (EOF or reset) within `limit`, whatever it sends first.
-bool closedWithin(int fd, std::chrono::milliseconds limit) {
-  const auto deadline = std::chrono::steady_clock::now() + limit;
-  char buf[256];
-  for (;;) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-    pollfd pfd{fd, POLLIN, 0};
-    const int ready = ::poll(&pfd, 1, static_cast<int>(std::max<long long>(left.count(), 0)));
-    if (ready < 0 && errno == EINTR) continue;
-    if (ready <= 0) return false;
-    const ssize_t r = ::recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
-    if (r == 0) return true;
-    if (r < 0 && errno == ECONNRESET) return true;
-    if (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return false;
-  }
 }
 
 struct Node {

@@ -111,6 +111,15 @@ int boundLoopbackSocket(int& port) {
 }
 }  // namespace
 
+long procNumber(const std::string& path, const std::string& label) {
+  std::ifstream in(path);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto at = text.find(label);
+  if (at == std::string::npos) return -1;
+  const auto digits = text.find_first_of("0123456789", at + label.size());
+  return digits == std::string::npos ? -1 : std::stol(text.substr(digits));
+}
+
 int freeLoopbackPort() {
   int port = 0;
   ::close(boundLoopbackSocket(port));

@@ -21,6 +21,10 @@ std::vector<int> processesWithEnvironment(const std::string& entry);
 // Live (non-zombie) processes in process group `pgid`.
 std::vector<int> processGroupMembers(int pgid);
 
+// The first number after `label` in a /proc file ("/proc/self/status", "FDSize:"; "limits",
+// "Max open files" gives the soft limit); -1 when the label or a number is missing.
+long procNumber(const std::string& path, const std::string& label);
+
 // A TCP port free on 127.0.0.1 right now (bind to port 0, read it back).
 int freeLoopbackPort();
 

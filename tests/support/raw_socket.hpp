@@ -15,4 +15,8 @@ int connectLoopback(std::uint16_t port,
 // Up to `n` bytes: fewer when the peer closes or the receive timeout passes.
 std::vector<std::uint8_t> readUpTo(int fd, std::size_t n);
 
+// True when the peer closes `fd` (EOF or reset) within `limit`, whatever it sends first;
+// false when it is still open then.
+bool closedWithin(int fd, std::chrono::milliseconds limit);
+
 }  // namespace fsdp::testing

@@ -4,13 +4,13 @@
 #include <sys/wait.h>
 
 #include <filesystem>
-#include <fstream>
 #include <string>
 
 #include "fsdp/common/env.hpp"
 #include "fsdp/common/error.hpp"
 #include "fsdp/common/process.hpp"
 #include "fsdp/common/sha256.hpp"
+#include "processes.hpp"
 
 namespace fsdp {
 namespace {
@@ -138,14 +138,6 @@ TEST(ConstantTimeEqual, ComparesContentAndLength) {
 
 namespace {
 
-long procStatusField(const std::string& label) {
-  std::ifstream in("/proc/self/status");
-  for (std::string line; std::getline(in, line);) {
-    if (line.rfind(label, 0) == 0) return std::stol(line.substr(label.size()));
-  }
-  return -1;
-}
-
 std::size_t openDescriptors() {
   return static_cast<std::size_t>(
       std::distance(std::filesystem::directory_iterator("/proc/self/fd"), std::filesystem::directory_iterator{}));
@@ -158,10 +150,10 @@ TEST(DescriptorTable, ReservingGrowsTheTableAndLeavesNothingOpen) {
   ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &limit), 0);
   const long want = static_cast<long>(std::min<rlim_t>(limit.rlim_cur, 4096));
   if (want <= 64) GTEST_SKIP() << "a soft descriptor limit of " << limit.rlim_cur;
-  if (procStatusField("FDSize:") >= want) GTEST_SKIP() << "the table is already that large";
+  if (fsdp::testing::procNumber("/proc/self/status", "FDSize:") >= want) GTEST_SKIP() << "the table is already that large";
   const auto before = openDescriptors();
   fsdp::reserveDescriptorTable(4096);
-  EXPECT_GE(procStatusField("FDSize:"), want);
+  EXPECT_GE(fsdp::testing::procNumber("/proc/self/status", "FDSize:"), want);
   EXPECT_EQ(openDescriptors(), before);
   // Asking for more than the soft limit allows is capped by it, not an error.
   fsdp::reserveDescriptorTable(std::size_t{1} << 40);
