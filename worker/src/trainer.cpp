@@ -312,10 +312,13 @@ FitResult Trainer::fit(const Dataset& train, const Dataset* eval) {
       }
       d.optimizer.zero_grad();
       const auto& b = item.batch;
-      // Every rank has at least gradAccumulation examples here (the skip above).
+      // Every rank has at least gradAccumulation examples here (the skip above). Exactly
+      // gradAccumulation micro-batches on every rank, sizes differing by at most one: chunk()
+      // would make fewer where the local batch does not divide, and the ranks' collectives
+      // would no longer pair.
       const std::int64_t local = b.input.size(0);
-      const auto inputs = b.input.chunk(o.gradAccumulation);
-      const auto targets = b.target.chunk(o.gradAccumulation);
+      const auto inputs = b.input.tensor_split(o.gradAccumulation);
+      const auto targets = b.target.tensor_split(o.gradAccumulation);
       for (std::size_t m = 0; m < inputs.size(); ++m) {
         const Batch part{inputs[m], targets[m], b.tokens * inputs[m].size(0) / local};
         const auto n = static_cast<double>(part.input.size(0));

@@ -14,8 +14,7 @@
 #include <mutex>
 
 #include "fsdp/common/error.hpp"
-#include "fsdp/rendezvous/store_server.hpp"
-#include "fsdp/worker/gloo_communicator.hpp"
+#include "torch/ranks.hpp"
 
 namespace fsdp::worker {
 namespace {
@@ -109,29 +108,8 @@ Params trainSingle(ModelKind kind, const Data& data, double clip = 0) {
   return result;
 }
 
-struct RankContext {
-  Communicator& comm;
-  rendezvous::StoreClient& store;
-  int rank;
-  int world;
-};
-
-// Runs body on `world` ranks at once, each with its own store client and communicator.
-void runRanks(int world, const std::function<void(RankContext&)>& body) {
-  rendezvous::StoreServer server(rendezvous::ServerOptions{});
-  std::vector<std::future<void>> ranks;
-  for (int r = 0; r < world; ++r) {
-    ranks.push_back(std::async(std::launch::async, [&, r] {
-      auto store = rendezvous::StoreClient::connect("127.0.0.1", server.port(), {.timeout = 30s});
-      auto comm = createGlooCommunicator(
-          *store, {.rank = r, .size = world, .storePrefix = "world", .timeout = 30s});
-      RankContext ctx{*comm, *store, r, world};
-      body(ctx);
-      comm->barrier().wait();
-    }));
-  }
-  for (auto& f : ranks) f.get();
-}
+using fsdp::testing::RankContext;
+using fsdp::testing::runRanks;
 
 struct Case {
   ShardingStrategy strategy;

@@ -132,7 +132,7 @@ class UnitImpl : public torch::nn::Module {
     Return result = sequential_ ? sequential_->forward<Return>(std::forward<Args>(args)...)
                                 : inner_.forward<Return>(std::forward<Args>(args)...);
     if constexpr (std::is_same_v<Return, torch::Tensor>) {
-      return leave(std::move(result), active);
+      return leave(std::move(result), active, torch::Tensor());
     } else {
       leaveOpaque(active);
       return result;
@@ -145,7 +145,9 @@ class UnitImpl : public torch::nn::Module {
   friend class detail::FsdpBuilder;
   friend class FullyShardedDataParallelImpl;
   bool enter();
-  torch::Tensor leave(torch::Tensor output, bool active);
+  // `input`: the unit's input when known (a unit with frozen parameters keeps them until its
+  // input's gradient exists); undefined for call<>() with other arguments.
+  torch::Tensor leave(torch::Tensor output, bool active, const torch::Tensor& input);
   void leaveOpaque(bool active);
   torch::Tensor runInner(torch::Tensor input);
 
@@ -164,6 +166,11 @@ struct UnitInfo {
   std::int64_t shardNumel = 0; // elements this rank holds (over all flat parameters)
   bool unsharded = false;      // full parameters are materialised now
   std::int64_t fullBytes = 0;  // bytes of full parameters allocated now
+  std::int64_t trainableNumel = 0;  // parameters that require grad, unpadded
+  // Bytes of gradient memory held now: full gradients being accumulated and this rank's shard
+  // gradients. Frozen parameters never have any.
+  std::int64_t gradBytes = 0;
+  std::int64_t gradReductions = 0;  // gradient reduce-scatters (or all-reduces) issued so far
 };
 
 // How the parameters are sharded on this rank, for checkpoints: one entry per flat parameter,

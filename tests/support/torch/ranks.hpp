@@ -1,0 +1,67 @@
+#pragma once
+// Ranks as threads of one test process: each gets its own store client and a real Gloo
+// communicator (and, when asked, a Runtime), over a real store server on loopback. For tests
+// that link LibTorch (unit_fsdp, the FSDP differential harness).
+
+#include <functional>
+#include <future>
+#include <memory>
+#include <vector>
+
+#include "fsdp/rendezvous/store_server.hpp"
+#include "fsdp/worker/gloo_communicator.hpp"
+#include "fsdp/worker/runtime.hpp"
+
+namespace fsdp::testing {
+
+struct RankContext {
+  worker::Communicator& comm;
+  rendezvous::StoreClient& store;
+  int rank;
+  int world;
+};
+
+// Runs body on `world` ranks at once; rethrows the first rank's exception after all joined.
+inline void runRanks(int world, const std::function<void(RankContext&)>& body) {
+  using namespace std::chrono_literals;
+  rendezvous::StoreServer server(rendezvous::ServerOptions{});
+  std::vector<std::future<void>> ranks;
+  for (int r = 0; r < world; ++r) {
+    ranks.push_back(std::async(std::launch::async, [&, r] {
+      auto store = rendezvous::StoreClient::connect("127.0.0.1", server.port(), {.timeout = 30s});
+      auto comm = worker::createGlooCommunicator(
+          *store, {.rank = r, .size = world, .storePrefix = "world", .timeout = 30s});
+      RankContext ctx{*comm, *store, r, world};
+      body(ctx);
+      comm->barrier().wait();
+    }));
+  }
+  for (auto& f : ranks) f.wait();
+  for (auto& f : ranks) f.get();
+}
+
+// The same with a Runtime per rank (what fsdp::Trainer and Checkpointer take).
+inline void runRuntimes(int world, const std::function<void(worker::Runtime&)>& body) {
+  using namespace std::chrono_literals;
+  rendezvous::StoreServer server(rendezvous::ServerOptions{});
+  std::vector<std::future<void>> ranks;
+  for (int r = 0; r < world; ++r) {
+    ranks.push_back(std::async(std::launch::async, [&, r] {
+      auto store = rendezvous::StoreClient::connect("127.0.0.1", server.port(), {.timeout = 30s});
+      auto comm = worker::createGlooCommunicator(
+          *store, {.rank = r, .size = world, .storePrefix = "world", .timeout = 30s});
+      worker::WorkerEnv env;
+      env.rank = r;
+      env.worldSize = world;
+      env.localRank = r;
+      env.localWorldSize = world;
+      worker::Runtime rt(env, std::move(store), std::move(comm));
+      body(rt);
+      rt.comm().barrier().wait();
+    }));
+  }
+  for (auto& f : ranks) f.wait();
+  for (auto& f : ranks) f.get();
+}
+
+}  // namespace fsdp::testing

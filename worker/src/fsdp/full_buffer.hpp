@@ -1,0 +1,48 @@
+#pragma once
+// The memory of full parameters and full gradients: big short-lived blocks (mapped with huge
+// pages on CPU), and FullBuffer, whose memory is freed and refilled under one StorageImpl that
+// autograd's saved tensors keep referencing. Private to libfsdp.
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Storage.h>
+
+#include <cstdint>
+
+namespace fsdp::worker::detail {
+
+// True when the tensor's memory was allocated here (a parameter already wrapped by FSDP).
+bool managedByFsdp(const at::Tensor& tensor);
+
+// A 1-D tensor of `numel` elements over a fresh block (uninitialised).
+at::Tensor emptyBlock(std::int64_t numel, const at::TensorOptions& options);
+
+// The memory every original parameter of one flat parameter points into. Freeing and
+// refilling keep the same StorageImpl, which autograd's saved tensors still reference.
+class FullBuffer {
+ public:
+  FullBuffer() = default;
+  FullBuffer(std::int64_t numel, at::ScalarType dtype, at::Device device);
+  // A buffer that is never freed and holds `values` (NO_SHARD, or one rank, without mixed
+  // precision: the full parameter is the shard). Allocated here so that it carries the mark.
+  static FullBuffer permanent(const at::Tensor& values);
+
+  bool aliasing() const { return alias_; }
+  bool allocated() const { return storage_.nbytes() > 0; }
+  std::int64_t bytes() const { return static_cast<std::int64_t>(storage_.nbytes()); }
+  void allocate();
+  void free();
+  // A tensor over [offset, offset + numel) of the buffer with the given shape.
+  at::Tensor view(std::int64_t offset, at::IntArrayRef shape) const;
+  at::Tensor flat() const { return view(0, {numel_}); }
+
+ private:
+  at::DataPtr emptyPtr() const;
+
+  std::int64_t numel_ = 0;
+  at::ScalarType dtype_ = at::kFloat;
+  at::Device device_ = at::kCPU;
+  c10::Storage storage_;
+  bool alias_ = false;
+};
+
+}  // namespace fsdp::worker::detail

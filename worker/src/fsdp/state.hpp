@@ -1,0 +1,139 @@
+#pragma once
+// The per-model state of FSDP at run time: units, their flat parameters, and the state
+// machine that unshards before use, reshards after, catches gradients and reduces them.
+// Private to libfsdp; built once by FsdpBuilder (builder.cpp), driven by UnitImpl's forward.
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/autograd/function.h>
+
+#include <cstdint>
+#include <deque>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "fsdp/worker/fsdp.hpp"
+#include "full_buffer.hpp"
+
+namespace fsdp::worker::detail {
+
+struct ParamSlot {
+  at::Tensor param;  // the original parameter, now a view into the full buffer
+  std::string name;  // its path from the root
+  std::int64_t offset = 0;
+  std::int64_t numel = 0;
+  std::vector<std::int64_t> shape;
+  std::size_t originalIndex = 0;  // position in the module's named_parameters()
+  std::shared_ptr<torch::autograd::Node> accumulator;  // held: autograd keeps only a weak_ptr
+};
+
+struct FlatParam {
+  std::vector<ParamSlot> slots;
+  bool requiresGrad = true;
+  std::int64_t numel = 0;
+  std::int64_t paddedNumel = 0;
+  std::int64_t shardNumel = 0;
+  at::Tensor shard;       // this rank's fp32 piece: a leaf the optimizer steps
+  FullBuffer full;        // full parameters in the compute dtype
+  at::Tensor fullGrad;    // full gradient being accumulated (compute dtype)
+  std::vector<char> written;  // per slot: holds a gradient in fullGrad (else uninitialised)
+  at::Tensor gatherSource;  // the shard cast for the all-gather in flight
+};
+
+enum class UnitState { kSharded, kGathering, kUnsharded };
+
+struct UnitRecord {
+  std::string path;
+  UnitImpl* module = nullptr;  // owned by the module tree
+  std::vector<FlatParam> flats;
+  UnitState state = UnitState::kSharded;
+  std::vector<Work> gathers;
+  int expectedGrads = 0;
+  int seenGrads = 0;
+  // Frozen parameters are read by the backward of the ops that use them, which may run after
+  // the last trainable gradient of the unit landed: such a unit reshards only once the
+  // gradients of its inputs exist (pendingInputGrads back to 0), or at the end of backward.
+  bool hasFrozen = false;
+  int pendingInputGrads = 0;
+  bool frozenNeedsEnd = false;  // an input could not be hooked: keep until the end of backward
+  bool preBackwardDone = false;
+  bool reduced = false;           // this backward's gradients handed to the reduction
+  bool postBackwardDone = false;  // ... and the full parameters released
+  bool keepUntilBackwardEnd = false;  // forward returned no tensor to hook
+  bool hasChildUnits = false;
+  std::int64_t reductions = 0;  // gradient reductions issued (UnitInfo::gradReductions)
+};
+
+struct PendingReduce {
+  int unit = 0;
+  int flat = 0;
+  at::Tensor output;
+  Work work;
+  bool needsReplicaSync = false;  // HYBRID_SHARD: the all-reduce across nodes is still to come
+};
+
+class FsdpState {
+ public:
+  FsdpState(Communicator& comm, FsdpOptions options) : comm_(comm), options_(std::move(options)) {}
+
+  // Forward of unit u: gather its parameters (and prefetch the next unit's).
+  void preForward(int u);
+  // After unit u's forward on `input`: reshard as the strategy says, hook `output` so that the
+  // unit is gathered again before its backward. `input` may be undefined (unknown inputs).
+  torch::Tensor postForward(int u, torch::Tensor output, const torch::Tensor& input);
+  // A parameter's gradient was accumulated (the gradient accumulator's post hook).
+  void onGradient(int u, int f, int s);
+  // Issues unit u's all-gathers (no wait) / waits for them.
+  void unshard(int u);
+  void waitUnsharded(int u);
+  void reshard(int u);
+  static torch::Tensor run(UnitImpl& unit, torch::Tensor input) { return unit.runInner(std::move(input)); }
+  static at::Device deviceOf(const UnitImpl& unit) { return unit.state_->device_; }
+
+  Communicator& comm_;
+  FsdpOptions options_;
+  Communicator* shardComm_ = nullptr;     // null when a shard is the whole parameter
+  Communicator* gradSyncComm_ = nullptr;  // all-reduce of gradients after (or instead of) RS
+  int shardSize_ = 1;
+  int shardRank_ = 0;
+  at::ScalarType computeDtype_ = at::kFloat;
+  // Where the parameters (and the full buffers, and the collectives) live.
+  at::Device device_ = at::kCPU;
+  // CUDA parameters with cpuOffload: shards and their gradients stay in pinned host memory;
+  // a shard is copied to the device for its all-gather, a reduced gradient back after it.
+  bool offload_ = false;
+  at::ScalarType reduceDtype_ = at::kFloat;
+  std::vector<UnitRecord> units_;
+  std::vector<int> forwardOrder_;          // this iteration's forward, as units entered it
+  std::vector<int> previousForwardOrder_;  // the last complete forward (forward prefetch)
+  std::deque<PendingReduce> pending_;
+  bool noSync_ = false;
+  // The end-of-backward callback is queued; still set at the next forward when the backward
+  // threw (the engine drops its callbacks then).
+  bool callbackQueued_ = false;
+  // Counts backward passes, so that a hook of an abandoned one recognises itself.
+  std::uint64_t generation_ = 0;
+  std::vector<std::pair<torch::autograd::Node*, std::uintptr_t>> hookKeys_;
+
+ private:
+  bool reshardAfterForward(int u) const;
+  int inFlightGathers() const;
+  void prefetch(int u);
+  void preBackward(int u);
+  // Unit u's trainable gradients are all in: reduce them (once per backward).
+  void gradientsLanded(int u);
+  void onInputGradient(int u, std::uint64_t generation);
+  // Releases the unit's full parameters after its backward (once per backward).
+  void postBackward(int u);
+  bool mayReshardAfterBackward(int u) const;
+  void reduceGradient(int u, int f);
+  void finishBackward();
+  void startReplicaSync(PendingReduce& p);
+  void drainPending(bool wait);
+  void resetBackwardState();
+  // A backward that threw left gathers, reductions and partial gradients behind: wait for the
+  // collectives (every rank issued them), drop their results, release the memory.
+  void abandonBackward();
+};
+
+}  // namespace fsdp::worker::detail
