@@ -3,6 +3,7 @@
 #   make test    install what is missing, build, run every test (SANITIZE=1: ASan+UBSan build)
 #   make bench   install what is missing, build, run every benchmark (JSON lines)
 #   make build   install what is missing, build
+#   make fuzz-fsdp FUZZ_SECONDS=N   generated FSDP cases against one process for N seconds
 SANITIZE ?= 0
 ifeq ($(SANITIZE),1)
 BUILD_DIR ?= build-asan
@@ -16,7 +17,7 @@ JOBS ?= $(shell nproc)
 export CCACHE_SLOPPINESS := pch_defines,time_macros,include_file_mtime,include_file_ctime
 export CCACHE_MAXSIZE ?= 5G
 
-.PHONY: all deps configure build test demo bench fuzz clean format
+.PHONY: all deps configure build test demo bench fuzz fuzz-fsdp clean format
 
 all: build
 
@@ -47,6 +48,13 @@ fuzz: deps
 	cmake --build build-fuzz --target frame_fuzzer
 	mkdir -p build-fuzz/corpus
 	build-fuzz/bin/frame_fuzzer -max_total_time=$(FUZZ_SECONDS) build-fuzz/corpus
+
+# The FSDP differential test, drawing new cases from a random base for FUZZ_SECONDS; a failure
+# prints the seed that replays it (FSDP_DIFF_SEED=<seed>).
+fuzz-fsdp: build
+	@FSDP_DIFF_SECONDS=$(FUZZ_SECONDS) $(BUILD_DIR)/bin/differential_fsdp \
+	  --gtest_filter='FsdpDifferential.*' > $(BUILD_DIR)/fuzz-fsdp.log 2>&1; status=$$?; \
+	  tail -n 30 $(BUILD_DIR)/fuzz-fsdp.log; echo "every case: $(BUILD_DIR)/fuzz-fsdp.log"; exit $$status
 
 format:
 	find common rendezvous launcher slurm worker examples tests bench -name '*.[ch]pp' | xargs clang-format -i

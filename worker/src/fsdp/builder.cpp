@@ -228,6 +228,7 @@ void FsdpBuilder::discover(torch::nn::Module& module, int owner, const std::stri
       state_.units_[static_cast<std::size_t>(owner)].hasChildUnits = true;
       if (unit->state_ == &state_) continue;  // one module used twice: one unit
       const int index = addUnit(*unit, path);
+      state_.units_[static_cast<std::size_t>(index)].parent = owner;
       discover(*unit->inner_ptr_, index, innerPrefix(*unit, path));
     } else {
       discover(*child.value(), owner, path);

@@ -131,6 +131,13 @@ torch::Tensor FsdpState::postForward(int u, torch::Tensor output, const torch::T
   if (reshardAfterForward(u) && !unit.keepUntilBackwardEnd) reshard(u);
   if (output.defined() && output.requires_grad()) {
     output.register_hook([this, u](const at::Tensor&) { preBackward(u); });
+    if (unit.parent >= 0 && units_[static_cast<std::size_t>(unit.parent)].hasFrozen) {
+      ++units_[static_cast<std::size_t>(unit.parent)].pendingInputGrads;
+      const std::uint64_t generation = generation_;
+      output.register_hook([this, p = unit.parent, generation](const at::Tensor&) {
+        onInputGradient(p, generation);
+      });
+    }
   }
   return output;
 }
@@ -169,12 +176,25 @@ void FsdpState::onGradient(int u, int f, int s) {
     }
   }
   grad = at::Tensor();
-  if (++unit.seenGrads == unit.expectedGrads) gradientsLanded(u);
+  if (++unit.seenGrads == unit.expectedGrads * std::max(1, unit.checkpointedCalls)) gradientsLanded(u);
 }
 
 bool FsdpState::mayReshardAfterBackward(int u) const {
   const auto& unit = units_[static_cast<std::size_t>(u)];
+  if (unit.pendingRecomputes > 0) return false;  // a recompute still reads the parameters
   return !unit.hasFrozen || (!unit.frozenNeedsEnd && unit.pendingInputGrads <= 0);
+}
+
+void FsdpState::onCheckpointedCall(int u) {
+  auto& unit = units_[static_cast<std::size_t>(u)];
+  ++unit.checkpointedCalls;
+  ++unit.pendingRecomputes;
+}
+
+void FsdpState::onRecomputeDone(int u) {
+  auto& unit = units_[static_cast<std::size_t>(u)];
+  --unit.pendingRecomputes;
+  if (mayReshardAfterBackward(u) && (unit.reduced || unit.expectedGrads == 0)) postBackward(u);
 }
 
 void FsdpState::gradientsLanded(int u) {
@@ -292,6 +312,8 @@ void FsdpState::resetBackwardState() {
   for (auto& unit : units_) {
     unit.seenGrads = 0;
     unit.pendingInputGrads = 0;
+    unit.checkpointedCalls = 0;
+    unit.pendingRecomputes = 0;
     unit.frozenNeedsEnd = false;
     unit.preBackwardDone = false;
     unit.reduced = false;

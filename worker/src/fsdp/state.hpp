@@ -53,8 +53,15 @@ struct UnitRecord {
   // Frozen parameters are read by the backward of the ops that use them, which may run after
   // the last trainable gradient of the unit landed: such a unit reshards only once the
   // gradients of its inputs exist (pendingInputGrads back to 0), or at the end of backward.
+  // Pending: one per input that requires grad and per output of a child unit that does (the
+  // unit's own ops read the child's output gradient, so they ran before it exists).
   bool hasFrozen = false;
   int pendingInputGrads = 0;
+  int parent = -1;              // the enclosing unit (-1: the root)
+  // Checkpointed calls in this forward: each recompute accumulates every parameter's
+  // gradient once more (a unit called twice is recomputed twice).
+  int checkpointedCalls = 0;
+  int pendingRecomputes = 0;  // checkpointed calls whose backward (a recompute) is still to run
   bool frozenNeedsEnd = false;  // an input could not be hooked: keep until the end of backward
   bool preBackwardDone = false;
   bool reduced = false;           // this backward's gradients handed to the reduction
@@ -83,12 +90,16 @@ class FsdpState {
   torch::Tensor postForward(int u, torch::Tensor output, const torch::Tensor& input);
   // A parameter's gradient was accumulated (the gradient accumulator's post hook).
   void onGradient(int u, int f, int s);
+  // Activation checkpointing: a call of unit u was run in forward / recomputed in backward.
+  void onCheckpointedCall(int u);
+  void onRecomputeDone(int u);
   // Issues unit u's all-gathers (no wait) / waits for them.
   void unshard(int u);
   void waitUnsharded(int u);
   void reshard(int u);
   static torch::Tensor run(UnitImpl& unit, torch::Tensor input) { return unit.runInner(std::move(input)); }
   static at::Device deviceOf(const UnitImpl& unit) { return unit.state_->device_; }
+  static void recomputeDone(UnitImpl& unit) { unit.state_->onRecomputeDone(unit.index_); }
 
   Communicator& comm_;
   FsdpOptions options_;

@@ -126,10 +126,21 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
         ~Restore() { now.restore(device); }
       } restore{RngState::capture(device), device};
       first.restore(device);
+      // The recompute must not count as a second forward: BatchNorm's running statistics (and
+      // any buffer a forward updates) are put back as the first run left them.
+      std::vector<std::pair<at::Tensor, at::Tensor>> buffers;
+      {
+        at::NoGradGuard noGrad;
+        for (auto& b : unit.buffers()) buffers.emplace_back(b, b.clone());
+      }
       at::AutoGradMode enable(true);
       output = FsdpState::run(unit, input);
+      // set_data, not copy_: the recomputed graph saved these buffers at their version.
+      for (auto& [buffer, before] : buffers) buffer.set_data(before);
     }
-    torch::autograd::backward({output}, {grads[0]});
+    // A unit whose parameters are all frozen, on an input that needs no gradient: nothing to do.
+    if (output.requires_grad()) torch::autograd::backward({output}, {grads[0]});
+    FsdpState::recomputeDone(unit);
     return {inputGrad ? input.grad() : at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -142,6 +153,7 @@ torch::Tensor UnitImpl::forward(torch::Tensor input) {
   torch::Tensor output;
   if (active && index_ > 0 && state_->options_.activationCheckpointing &&
       !state_->units_[static_cast<std::size_t>(index_)].hasChildUnits && at::GradMode::is_enabled()) {
+    state_->onCheckpointedCall(index_);
     output = detail::CheckpointFunction::apply(input, at::empty({0}).requires_grad_(),
                                                reinterpret_cast<std::int64_t>(this));
   } else {
