@@ -27,7 +27,7 @@
 
 #include "fsdp/common/error.hpp"
 #include "model_gen.hpp"
-#include "torch/ranks.hpp"
+#include "torch_ranks.hpp"
 
 namespace fsdp::testing::diff {
 namespace {

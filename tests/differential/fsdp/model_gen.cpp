@@ -221,6 +221,8 @@ BlockSpec drawBlock(Draw& draw, std::int64_t d, bool inUnit, bool exactOnly) {
   std::vector<BlockKind> kinds{BlockKind::kLinear, BlockKind::kLinear, BlockKind::kTanh,
                                BlockKind::kLayerNorm, BlockKind::kBatchNorm, BlockKind::kDropout,
                                BlockKind::kResidual, BlockKind::kCustom};
+  // Dropout that draws (one-rank cases) goes where checkpointing recomputes it: inside units.
+  if (inUnit && !exactOnly) kinds.insert(kinds.end(), {BlockKind::kDropout, BlockKind::kDropout});
   if (!inUnit) {
     kinds.insert(kinds.end(), {BlockKind::kConv, BlockKind::kUnit, BlockKind::kUnit, BlockKind::kTwice,
                                BlockKind::kShared});
@@ -376,7 +378,7 @@ CaseSpec drawCase(std::uint64_t seed, int maxWorld) {
       worker::BackwardPrefetch::kNone, worker::BackwardPrefetch::kPre, worker::BackwardPrefetch::kPost});
   c.forwardPrefetch = draw.chance(0.3);
   c.limitAllGathers = draw.integer(1, 2);
-  c.checkpointing = draw.chance(0.3);
+  c.checkpointing = draw.chance(exactOnly ? 0.3 : 0.6);
   c.bf16 = draw.chance(0.12);
   // A bf16 sum of more than two values depends on its order by more than any useful
   // tolerance: past two ranks per group, bf16 cases reduce in fp32 (the usual recipe).

@@ -12,14 +12,12 @@
 
 #include <filesystem>
 #include <fstream>
-#include <future>
 #include <mutex>
 
 #include "fsdp/common/error.hpp"
-#include "fsdp/rendezvous/store_server.hpp"
-#include "fsdp/worker/gloo_communicator.hpp"
 #include "fsdp/worker/runtime.hpp"
 #include "run_command.hpp"
+#include "torch_ranks.hpp"
 
 namespace fsdp::worker {
 namespace {
@@ -28,26 +26,8 @@ using namespace std::chrono_literals;
 namespace fs = std::filesystem;
 using Params = std::vector<std::pair<std::string, at::Tensor>>;
 
-// Runs body on `world` ranks at once, each with a Runtime of its own.
-void runRanks(int world, const std::function<void(Runtime&)>& body) {
-  rendezvous::StoreServer server(rendezvous::ServerOptions{});
-  std::vector<std::future<void>> ranks;
-  for (int r = 0; r < world; ++r) {
-    ranks.push_back(std::async(std::launch::async, [&, r] {
-      auto store = rendezvous::StoreClient::connect("127.0.0.1", server.port(), {.timeout = 30s});
-      auto comm = createGlooCommunicator(*store, {.rank = r, .size = world, .storePrefix = "world", .timeout = 30s});
-      WorkerEnv env;
-      env.rank = r;
-      env.worldSize = world;
-      env.localRank = r;
-      env.localWorldSize = world;
-      Runtime rt(env, std::move(store), std::move(comm));
-      body(rt);
-      rt.comm().barrier().wait();
-    }));
-  }
-  for (auto& f : ranks) f.get();
-}
+// Ranks as threads, each with a Runtime of its own.
+void runRanks(int world, const std::function<void(Runtime&)>& body) { fsdp::testing::runRuntimes(world, body); }
 
 // Sizes that do not divide by 2, 3 or 4 (padding everywhere); three units.
 torch::nn::Sequential makeModel(std::int64_t hidden = 29) {

@@ -14,7 +14,7 @@
 #include <mutex>
 
 #include "fsdp/common/error.hpp"
-#include "torch/ranks.hpp"
+#include "torch_ranks.hpp"
 
 namespace fsdp::worker {
 namespace {

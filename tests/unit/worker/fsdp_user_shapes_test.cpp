@@ -18,7 +18,7 @@
 #include "fsdp/common/error.hpp"
 #include "fsdp/worker/fsdp.hpp"
 #include "fsdp/worker/trainer.hpp"
-#include "torch/ranks.hpp"
+#include "torch_ranks.hpp"
 
 namespace fsdp::worker {
 namespace {

@@ -192,28 +192,36 @@ void FsdpState::onCheckpointedCall(int u) {
 }
 
 void FsdpState::onRecomputeDone(int u) {
-  auto& unit = units_[static_cast<std::size_t>(u)];
-  --unit.pendingRecomputes;
-  if (mayReshardAfterBackward(u) && (unit.reduced || unit.expectedGrads == 0)) postBackward(u);
+  --units_[static_cast<std::size_t>(u)].pendingRecomputes;
+  releaseIfDone(u);
 }
 
 void FsdpState::gradientsLanded(int u) {
+  if (!reduceUnit(u)) return;
+  releaseIfDone(u);
+  if (options_.backwardPrefetch == BackwardPrefetch::kPost) prefetch(neighbour(forwardOrder_, u, -1));
+}
+
+bool FsdpState::reduceUnit(int u) {
   auto& unit = units_[static_cast<std::size_t>(u)];
-  if (unit.reduced) return;
+  if (unit.reduced) return false;
   unit.reduced = true;
-  if (mayReshardAfterBackward(u)) postBackward(u);
   if (!noSync_) {
     for (std::size_t f = 0; f < unit.flats.size(); ++f) reduceGradient(u, static_cast<int>(f));
   }
   drainPending(/*wait=*/false);
-  if (options_.backwardPrefetch == BackwardPrefetch::kPost) prefetch(neighbour(forwardOrder_, u, -1));
+  return true;
+}
+
+void FsdpState::releaseIfDone(int u) {
+  const auto& unit = units_[static_cast<std::size_t>(u)];
+  if (mayReshardAfterBackward(u) && (unit.reduced || unit.expectedGrads == 0)) postBackward(u);
 }
 
 void FsdpState::onInputGradient(int u, std::uint64_t generation) {
   if (generation != generation_) return;  // a hook of an earlier, abandoned backward
-  auto& unit = units_[static_cast<std::size_t>(u)];
-  --unit.pendingInputGrads;
-  if (mayReshardAfterBackward(u) && (unit.reduced || unit.expectedGrads == 0)) postBackward(u);
+  --units_[static_cast<std::size_t>(u)].pendingInputGrads;
+  releaseIfDone(u);
 }
 
 void FsdpState::postBackward(int u) {
@@ -255,15 +263,10 @@ void FsdpState::reduceGradient(int u, int f) {
 void FsdpState::finishBackward() {
   callbackQueued_ = false;
   for (int u = static_cast<int>(units_.size()) - 1; u >= 0; --u) {
-    auto& unit = units_[static_cast<std::size_t>(u)];
+    const auto& unit = units_[static_cast<std::size_t>(u)];
     const bool hasGrad = std::any_of(unit.flats.begin(), unit.flats.end(),
                                      [](const FlatParam& f) { return f.fullGrad.defined(); });
-    if (unit.reduced || !(unit.preBackwardDone || hasGrad)) continue;
-    unit.reduced = true;
-    if (!noSync_) {
-      for (std::size_t f = 0; f < unit.flats.size(); ++f) reduceGradient(u, static_cast<int>(f));
-    }
-    drainPending(/*wait=*/false);
+    if (unit.preBackwardDone || hasGrad) reduceUnit(u);
   }
   // Across nodes (HYBRID_SHARD): every all-reduce issued, in order, before waiting on any.
   for (auto& p : pending_) startReplicaSync(p);

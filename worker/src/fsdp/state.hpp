@@ -133,6 +133,10 @@ class FsdpState {
   void preBackward(int u);
   // Unit u's trainable gradients are all in: reduce them (once per backward).
   void gradientsLanded(int u);
+  // Issues unit u's reductions unless this backward already did; false if it had.
+  bool reduceUnit(int u);
+  // Releases unit u's full parameters once nothing of its backward can still read them.
+  void releaseIfDone(int u);
   void onInputGradient(int u, std::uint64_t generation);
   // Releases the unit's full parameters after its backward (once per backward).
   void postBackward(int u);

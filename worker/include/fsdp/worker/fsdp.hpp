@@ -12,9 +12,15 @@
 // How units are found. LibTorch modules have no forward hooks, so a unit boundary is a place
 // whose forward call FSDP controls:
 //   - the root (the module given to FullyShardedDataParallel);
-//   - an fsdp::Unit the model registers itself (a pass-through until the root shards it);
-//   - children of a torch::nn::Sequential (the root, or Sequentials nested in it) chosen by
-//     the auto-wrap policy: FSDP rebuilds those Sequentials with the children wrapped.
+//   - an fsdp::Unit the model registers itself, at any depth (a pass-through until the root
+//     shards it); its path is its module path ("encoder.block", children "encoder.block.module.0");
+//   - with an auto-wrap policy: the policy is asked about every module, bottom-up, with the
+//     number of its parameters not yet in a unit below it. A pick that is a child of a
+//     Sequential a unit holds (the root's own Sequential, or an fsdp::Unit's) becomes a unit:
+//     FSDP rebuilds that Sequential with it wrapped (a module placed twice becomes one unit).
+//     A pick that is a member of another module cannot be intercepted: its parameters stay in
+//     the nearest enclosing unit, with one warning; when that unit is the root, wrapping is
+//     refused (ConfigError naming the module and the fix) rather than silently doing nothing.
 // Parameters not inside a unit belong to the nearest enclosing unit (ultimately the root).
 //
 // Each unit flattens its parameters (one flat parameter per requires_grad group), pads it
@@ -23,6 +29,12 @@
 // that the original parameter tensors point into; after use the buffer's memory is freed
 // (FULL_SHARD) and refilled before the unit's backward. Gradients land in a full-size
 // gradient buffer and are reduce-scattered (averaged) into the shard's .grad.
+//
+// Frozen parameters (requires_grad false) may sit anywhere: they get a flat parameter of their
+// own that has no gradient buffer and no reduction, and their unit keeps its full parameters
+// until its backward is over (its input's and child units' gradients exist). A unit may be
+// called more than once per forward. A backward that throws is cleaned up by the next forward,
+// which drops the gradients that backward had not reduced yet (with a warning).
 //
 // Thread-safety: one model is used by one thread. Every rank must build the same model and
 // run the same forward/backward sequence (collectives are issued in that order).
@@ -98,7 +110,9 @@ struct FsdpOptions {
   int limitAllGathers = 2;
   // Broadcast rank 0's parameters and buffers before sharding.
   bool syncModuleStates = false;
-  // Recompute each child unit's forward during its backward instead of keeping activations.
+  // Recompute each leaf unit's forward during its backward instead of keeping activations,
+  // with the RNG states of the first run (CPU, and the CUDA device's: dropout draws the same
+  // masks) and its buffers put back afterwards (BatchNorm's statistics move once per forward).
   bool activationCheckpointing = false;
   // Keep shards and shard gradients in host memory (CUDA only; CPU shards already are).
   bool cpuOffload = false;

@@ -21,8 +21,12 @@ struct RankContext {
   int world;
 };
 
-// Runs body on `world` ranks at once; rethrows the first rank's exception after all joined.
-inline void runRanks(int world, const std::function<void(RankContext&)>& body) {
+namespace detail {
+// Starts `world` threads, each with a store client and a communicator of its own, hands them
+// to `body`, joins them all, then rethrows the first rank's exception.
+inline void forEachRank(int world,
+                        const std::function<void(int rank, std::unique_ptr<rendezvous::StoreClient>,
+                                                 std::unique_ptr<worker::Communicator>)>& body) {
   using namespace std::chrono_literals;
   rendezvous::StoreServer server(rendezvous::ServerOptions{});
   std::vector<std::future<void>> ranks;
@@ -31,37 +35,37 @@ inline void runRanks(int world, const std::function<void(RankContext&)>& body) {
       auto store = rendezvous::StoreClient::connect("127.0.0.1", server.port(), {.timeout = 30s});
       auto comm = worker::createGlooCommunicator(
           *store, {.rank = r, .size = world, .storePrefix = "world", .timeout = 30s});
-      RankContext ctx{*comm, *store, r, world};
-      body(ctx);
-      comm->barrier().wait();
+      body(r, std::move(store), std::move(comm));
     }));
   }
   for (auto& f : ranks) f.wait();
   for (auto& f : ranks) f.get();
 }
+}  // namespace detail
+
+// Runs body on `world` ranks at once; rethrows the first rank's exception after all joined.
+inline void runRanks(int world, const std::function<void(RankContext&)>& body) {
+  detail::forEachRank(world, [&](int r, std::unique_ptr<rendezvous::StoreClient> store,
+                                 std::unique_ptr<worker::Communicator> comm) {
+    RankContext ctx{*comm, *store, r, world};
+    body(ctx);
+    comm->barrier().wait();
+  });
+}
 
 // The same with a Runtime per rank (what fsdp::Trainer and Checkpointer take).
 inline void runRuntimes(int world, const std::function<void(worker::Runtime&)>& body) {
-  using namespace std::chrono_literals;
-  rendezvous::StoreServer server(rendezvous::ServerOptions{});
-  std::vector<std::future<void>> ranks;
-  for (int r = 0; r < world; ++r) {
-    ranks.push_back(std::async(std::launch::async, [&, r] {
-      auto store = rendezvous::StoreClient::connect("127.0.0.1", server.port(), {.timeout = 30s});
-      auto comm = worker::createGlooCommunicator(
-          *store, {.rank = r, .size = world, .storePrefix = "world", .timeout = 30s});
-      worker::WorkerEnv env;
-      env.rank = r;
-      env.worldSize = world;
-      env.localRank = r;
-      env.localWorldSize = world;
-      worker::Runtime rt(env, std::move(store), std::move(comm));
-      body(rt);
-      rt.comm().barrier().wait();
-    }));
-  }
-  for (auto& f : ranks) f.wait();
-  for (auto& f : ranks) f.get();
+  detail::forEachRank(world, [&](int r, std::unique_ptr<rendezvous::StoreClient> store,
+                                 std::unique_ptr<worker::Communicator> comm) {
+    worker::WorkerEnv env;
+    env.rank = r;
+    env.worldSize = world;
+    env.localRank = r;
+    env.localWorldSize = world;
+    worker::Runtime rt(env, std::move(store), std::move(comm));
+    body(rt);
+    rt.comm().barrier().wait();
+  });
 }
 
 }  // namespace fsdp::testing
