@@ -179,6 +179,40 @@ TEST_P(FsdpLora, FrozenBasesAndTrainableAdaptersMatchOneProcessAndHoldGradientsF
 INSTANTIATE_TEST_SUITE_P(Ranks, FsdpLora, ::testing::Values(2, 4),
                          [](const auto& info) { return std::to_string(info.param) + "Ranks"; });
 
+// One loss over two forwards of the same model: the backward must count both forwards' calls.
+TEST(FsdpLoraTwoForwards, ALossOverTwoForwardsMatchesOneProcessWithAndWithoutCheckpointing) {
+  const auto data = makeBatches(kSteps, kBatch, 12, 5);
+  const auto lossOf = [](const std::function<at::Tensor(at::Tensor)>& f, const at::Tensor& x, const at::Tensor& y) {
+    const auto half = x.size(0) / 2;
+    return torch::nn::functional::mse_loss(f(x.narrow(0, 0, half)), y.narrow(0, 0, half)) +
+           torch::nn::functional::mse_loss(f(x.narrow(0, half, half)), y.narrow(0, half, half));
+  };
+  auto reference = makeLoraModel();
+  torch::optim::SGD refOpt(trainable(*reference), 0.05);
+  for (int s = 0; s < kSteps; ++s) {
+    refOpt.zero_grad();
+    lossOf([&](at::Tensor x) { return reference->forward(x); }, data.x[s], data.y[s]).backward();
+    refOpt.step();
+  }
+  const auto expected = namedParams(*reference);
+  for (const bool checkpointing : {false, true}) {
+    runRanks(2, [&](RankContext& ctx) {
+      FullyShardedDataParallel model(makeLoraModel(), ctx.comm,
+                                     {.autoWrap = loraPolicy(), .activationCheckpointing = checkpointing});
+      torch::optim::SGD opt(model->parameters(), 0.05);
+      for (int s = 0; s < kSteps; ++s) {
+        opt.zero_grad();
+        lossOf([&](at::Tensor x) { return model->forward(x); }, data.x[s].narrow(0, ctx.rank * 6, 6),
+               data.y[s].narrow(0, ctx.rank * 6, 6))
+            .backward();
+        opt.step();
+      }
+      SCOPED_TRACE(checkpointing ? "checkpointed" : "not checkpointed");
+      expectSame(expected, model->fullParameters());
+    });
+  }
+}
+
 // The pattern that crashed: one explicit unit, frozen base first, trainable layer after it,
 // in a unit whose input requires grad.
 TEST(FsdpFrozen, AFrozenLayerBeforeATrainableOneInANonFirstUnitIsReadInBackward) {
@@ -305,6 +339,21 @@ TEST(FsdpAutoWrap, ReachesTheChildrenOfASequentialInsideAUnit) {
     auto out = model->forward(at::ones({4, 13}));
     out.sum().backward();
     for (const auto& u : model->units()) EXPECT_EQ(u.fullBytes, 0) << u.path;
+  });
+}
+
+TEST(FsdpAutoWrap, ARefusalLeavesTheModelAsItWasAndItCanBeWrappedAgain) {
+  runRanks(1, [](RankContext& ctx) {
+    torch::nn::Sequential inner(torch::nn::Linear(13, 13), torch::nn::Linear(13, 13));
+    Unit block(inner);
+    torch::nn::Sequential m;
+    m->push_back("block", block);
+    m->push_back("plain", PlainNet());  // its Linears are members: the policy's picks lift to the root
+    EXPECT_THROW(FullyShardedDataParallel(m, ctx.comm, {.autoWrap = AutoWrapPolicy::byTypeName({"Linear"})}),
+                 ConfigError);
+    EXPECT_EQ(block->inner().get(), inner.ptr().get()) << "the refused wrap rebuilt the unit's Sequential";
+    FullyShardedDataParallel model(m, ctx.comm);
+    EXPECT_EQ(model->units().size(), 2u);  // the root and the declared unit
   });
 }
 

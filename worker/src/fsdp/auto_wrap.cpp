@@ -31,7 +31,12 @@ std::string FsdpBuilder::innerPrefix(const UnitImpl& unit, const std::string& pa
   return joinPath(path, "module");
 }
 
-void FsdpBuilder::autoWrap() { wrapUnitInner(root_, ""); }
+void FsdpBuilder::autoWrap() {
+  planning_ = true;  // a first pass changes nothing: a refusal leaves the user's model as it was
+  wrapUnitInner(root_, "");
+  planning_ = false;
+  wrapUnitInner(root_, "");
+}
 
 // The children of the Sequential a unit holds can become units: the Sequential is rebuilt
 // with them wrapped. A unit holding another module: its members are visited, never wrapped.
@@ -39,12 +44,14 @@ void FsdpBuilder::wrapUnitInner(UnitImpl& unit, const std::string& path) {
   const std::string prefix = innerPrefix(unit, path);
   std::vector<Lift> lifts;  // picks whose parameters stay in this unit
   std::vector<Lift> heldBelow;  // picks whose parameters a unit made below holds
-  if (!unit.sequential_) {
+  const auto names = unit.sequential_ ? unit.sequential_->named_children()
+                                      : torch::OrderedDict<std::string, std::shared_ptr<torch::nn::Module>>();
+  // A Sequential with modules registered besides its list cannot be rebuilt name for name.
+  if (!unit.sequential_ || names.size() != unit.sequential_->size()) {
     visitMember(*unit.inner_ptr_, prefix, lifts);
   } else {
     const auto& policy = state_.options_.autoWrap.predicate;
     torch::nn::Sequential rebuilt;
-    const auto names = unit.sequential_->named_children();
     std::size_t i = 0;
     for (const auto& child : *unit.sequential_) {
       const std::string& name = names[i++].key();
@@ -63,6 +70,7 @@ void FsdpBuilder::wrapUnitInner(UnitImpl& unit, const std::string& path) {
       const std::int64_t count = visitMember(*ptr, childPath, inside);
       auto& into = count > 0 && policy(*ptr, childPath, count) ? heldBelow : lifts;
       into.insert(into.end(), inside.begin(), inside.end());
+      if (planning_) continue;
       if (&into == &heldBelow) {
         auto made = std::make_shared<UnitImpl>(child);
         autoUnits_.insert(made.get());
@@ -72,12 +80,14 @@ void FsdpBuilder::wrapUnitInner(UnitImpl& unit, const std::string& path) {
         rebuilt->push_back(name, child);
       }
     }
-    unit.sequential_ = rebuilt;
-    unit.inner_ptr_ = unit.replace_module("module", rebuilt.ptr());
+    if (!planning_) {
+      unit.sequential_ = rebuilt;
+      unit.inner_ptr_ = unit.replace_module("module", rebuilt.ptr());
+    }
   }
   if (&unit == &root_ && !lifts.empty()) refuseLifts(lifts);
   heldBelow.insert(heldBelow.end(), lifts.begin(), lifts.end());
-  if (!heldBelow.empty()) {
+  if (!heldBelow.empty() && !planning_) {
     std::ostringstream paths;
     for (std::size_t k = 0; k < heldBelow.size() && k < 4; ++k) {
       paths << (k > 0 ? ", '" : "'") << heldBelow[k].path << "'";

@@ -62,6 +62,7 @@ class FsdpBuilder {
   std::vector<std::vector<ParamSlot>> slotsByUnit_;
   // Units made by auto-wrap: their children keep their original paths (no ".module").
   std::unordered_set<const UnitImpl*> autoUnits_;
+  bool planning_ = false;  // auto-wrap's first pass: decide and refuse, change nothing
   // The unit made for a module, so that a module used twice becomes one unit.
   std::unordered_map<const torch::nn::Module*, std::shared_ptr<UnitImpl>> wrapped_;
 };

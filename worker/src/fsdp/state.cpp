@@ -91,12 +91,12 @@ void FsdpState::prefetch(int u) {
 }
 
 void FsdpState::preForward(int u) {
-  const bool training = at::GradMode::is_enabled();
   if (u == 0) {
     if (callbackQueued_) abandonBackward();
     if (!forwardOrder_.empty()) previousForwardOrder_ = std::move(forwardOrder_);
     forwardOrder_.clear();
-    if (training) resetBackwardState();
+    // The backward state is not reset here but when a backward ends: a loss made of two
+    // forwards counts both forwards' calls, inputs and recomputes.
   }
   if (std::find(forwardOrder_.begin(), forwardOrder_.end(), u) == forwardOrder_.end()) {
     forwardOrder_.push_back(u);
@@ -261,19 +261,24 @@ void FsdpState::reduceGradient(int u, int f) {
 // The engine's end-of-backward callback: reduce what the hooks did not, then hand every
 // reduced gradient to its shard.
 void FsdpState::finishBackward() {
-  callbackQueued_ = false;
   for (int u = static_cast<int>(units_.size()) - 1; u >= 0; --u) {
     const auto& unit = units_[static_cast<std::size_t>(u)];
     const bool hasGrad = std::any_of(unit.flats.begin(), unit.flats.end(),
                                      [](const FlatParam& f) { return f.fullGrad.defined(); });
-    if (unit.preBackwardDone || hasGrad) reduceUnit(u);
+    if (!(unit.preBackwardDone || hasGrad)) continue;
+    if (!reduceUnit(u) && hasGrad && !noSync_) {
+      // Gradients that landed after the unit's reduction (a use the counts did not foresee):
+      // reduced now, never carried into the next step.
+      for (std::size_t f = 0; f < unit.flats.size(); ++f) reduceGradient(u, static_cast<int>(f));
+    }
   }
   // Across nodes (HYBRID_SHARD): every all-reduce issued, in order, before waiting on any.
   for (auto& p : pending_) startReplicaSync(p);
   drainPending(/*wait=*/true);
   for (std::size_t u = 0; u < units_.size(); ++u) reshard(static_cast<int>(u));
   resetBackwardState();
-  ++generation_;
+  // Last: if anything above threw, the next forward finds the flag set and cleans up.
+  callbackQueued_ = false;
 }
 
 void FsdpState::startReplicaSync(PendingReduce& p) {
@@ -312,6 +317,7 @@ void FsdpState::drainPending(bool wait) {
 }
 
 void FsdpState::resetBackwardState() {
+  ++generation_;  // hooks registered before this point belong to a backward that is over
   for (auto& unit : units_) {
     unit.seenGrads = 0;
     unit.pendingInputGrads = 0;
@@ -327,15 +333,18 @@ void FsdpState::resetBackwardState() {
 void FsdpState::abandonBackward() {
   log::warn("fsdp: the previous backward did not finish (it threw); the gradients it had not "
             "reduced yet are dropped");
-  callbackQueued_ = false;
-  for (auto& p : pending_) p.work.wait();  // issued on every rank: let them complete
+  // Every reduction issued is completed, on every rank alike (the cross-node ones of
+  // HYBRID_SHARD too: a peer may have issued its part already), and its result dropped: this
+  // runs in the next forward, after the user's zero_grad().
+  for (auto& p : pending_) startReplicaSync(p);
+  for (auto& p : pending_) p.work.wait();
   pending_.clear();
   for (std::size_t u = 0; u < units_.size(); ++u) {
     for (auto& flat : units_[u].flats) flat.fullGrad = at::Tensor();
     reshard(static_cast<int>(u));
   }
   resetBackwardState();
-  ++generation_;
+  callbackQueued_ = false;
 }
 
 }  // namespace fsdp::worker::detail

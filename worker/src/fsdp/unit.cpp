@@ -151,8 +151,16 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
 torch::Tensor UnitImpl::forward(torch::Tensor input) {
   const bool active = enter();
   torch::Tensor output;
-  if (active && index_ > 0 && state_->options_.activationCheckpointing &&
-      !state_->units_[static_cast<std::size_t>(index_)].hasChildUnits && at::GradMode::is_enabled()) {
+  // Checkpointed: a leaf unit in training whose output will need a backward (a unit of frozen
+  // parameters on an input that needs no gradient has nothing to recompute).
+  const auto checkpointed = [&] {
+    if (!active || index_ == 0 || !state_->options_.activationCheckpointing || !at::GradMode::is_enabled()) {
+      return false;
+    }
+    const auto& unit = state_->units_[static_cast<std::size_t>(index_)];
+    return !unit.hasChildUnits && (unit.expectedGrads > 0 || input.requires_grad());
+  };
+  if (checkpointed()) {
     state_->onCheckpointedCall(index_);
     output = detail::CheckpointFunction::apply(input, at::empty({0}).requires_grad_(),
                                                reinterpret_cast<std::int64_t>(this));

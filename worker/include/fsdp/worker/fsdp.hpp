@@ -33,7 +33,7 @@
 // Frozen parameters (requires_grad false) may sit anywhere: they get a flat parameter of their
 // own that has no gradient buffer and no reduction, and their unit keeps its full parameters
 // until its backward is over (its input's and child units' gradients exist). A unit may be
-// called more than once per forward. A backward that throws is cleaned up by the next forward,
+// called more than once per forward, and one backward may follow several forwards. A backward that throws is cleaned up by the next forward,
 // which drops the gradients that backward had not reduced yet (with a warning).
 //
 // Thread-safety: one model is used by one thread. Every rank must build the same model and
