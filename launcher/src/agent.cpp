@@ -278,6 +278,10 @@ void Agent::connect() {
   const auto start = Clock::now();
   const Deadline deadline = Deadline::after(options_.rdzvConf.joinTimeout);
   std::string lastError;
+  // A service that accepted a connection and never answered the handshake says more than a
+  // later attempt that ran out of time while connecting (on a loaded machine the last attempt
+  // may get only the deadline's last milliseconds): kept and named in the final error.
+  std::string handshakeError;
   for (;;) {
     // Short attempts, so that a stop signal is honoured while the endpoint is not up yet.
     try {
@@ -287,6 +291,8 @@ void Agent::connect() {
            .runId = options_.rdzvId,
            .token = token_});
       break;
+    } catch (const rendezvous::HandshakeTimeout& e) {
+      lastError = handshakeError = e.what();
     } catch (const TimeoutError& e) {
       lastError = e.what();
     } catch (const NetworkError& e) {
@@ -305,7 +311,7 @@ void Agent::connect() {
       throw ConfigError("--rdzv_endpoint " + endpointName() + ": unreachable after " +
                         std::to_string(elapsedMs(start)) + " ms (join_timeout " +
                         std::to_string(options_.rdzvConf.joinTimeout.count() / 1000.0).substr(0, 6) +
-                        " s; last error: " + lastError + ")" +
+                        " s; " + (handshakeError.empty() ? "last error: " + lastError : handshakeError) + ")" +
                         (holder ? "; the port is held by " + *holder : ""));
     }
   }

@@ -17,7 +17,7 @@ std::unique_ptr<RendezvousClient> RendezvousClient::connect(const std::string& h
   try {
     connection.completeHandshake(Deadline::after(options.connectTimeout));
   } catch (const TimeoutError&) {
-    throw TimeoutError("rendezvous endpoint " + connection.endpoint() +
+    throw HandshakeTimeout("rendezvous endpoint " + connection.endpoint() +
                        " accepted the connection but did not answer fsdprun's handshake within " +
                        std::to_string(options.connectTimeout.count()) + " ms (another service on that port?)");
   }

@@ -22,6 +22,13 @@ class Connection;
 }
 
 // The run was closed (job finished or gave up, server shutting down); final.
+// The endpoint accepted the connection but did not answer the handshake in time (another
+// service on that port?).
+class HandshakeTimeout : public TimeoutError {
+ public:
+  using TimeoutError::TimeoutError;
+};
+
 class RunClosedError : public Error {
  public:
   using Error::Error;
