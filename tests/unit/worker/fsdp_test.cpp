@@ -10,7 +10,6 @@
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/sgd.h>
 
-#include <future>
 #include <mutex>
 
 #include "fsdp/common/error.hpp"

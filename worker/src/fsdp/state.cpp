@@ -122,24 +122,25 @@ torch::Tensor FsdpState::postForward(int u, torch::Tensor output, const torch::T
   if (unit.hasFrozen) {
     if (!input.defined()) {
       unit.frozenNeedsEnd = true;
-    } else if (input.requires_grad()) {
-      ++unit.pendingInputGrads;
-      const std::uint64_t generation = generation_;
-      input.register_hook([this, u, generation](const at::Tensor&) { onInputGradient(u, generation); });
+    } else {
+      awaitGradient(u, input);
     }
   }
   if (reshardAfterForward(u) && !unit.keepUntilBackwardEnd) reshard(u);
   if (output.defined() && output.requires_grad()) {
     output.register_hook([this, u](const at::Tensor&) { preBackward(u); });
     if (unit.parent >= 0 && units_[static_cast<std::size_t>(unit.parent)].hasFrozen) {
-      ++units_[static_cast<std::size_t>(unit.parent)].pendingInputGrads;
-      const std::uint64_t generation = generation_;
-      output.register_hook([this, p = unit.parent, generation](const at::Tensor&) {
-        onInputGradient(p, generation);
-      });
+      awaitGradient(unit.parent, output);
     }
   }
   return output;
+}
+
+void FsdpState::awaitGradient(int u, const at::Tensor& tensor) {
+  if (!tensor.requires_grad()) return;
+  ++units_[static_cast<std::size_t>(u)].pendingInputGrads;
+  const std::uint64_t generation = generation_;
+  tensor.register_hook([this, u, generation](const at::Tensor&) { onInputGradient(u, generation); });
 }
 
 void FsdpState::preBackward(int u) {
@@ -179,12 +180,6 @@ void FsdpState::onGradient(int u, int f, int s) {
   if (++unit.seenGrads == unit.expectedGrads * std::max(1, unit.checkpointedCalls)) gradientsLanded(u);
 }
 
-bool FsdpState::mayReshardAfterBackward(int u) const {
-  const auto& unit = units_[static_cast<std::size_t>(u)];
-  if (unit.pendingRecomputes > 0) return false;  // a recompute still reads the parameters
-  return !unit.hasFrozen || (!unit.frozenNeedsEnd && unit.pendingInputGrads <= 0);
-}
-
 void FsdpState::onCheckpointedCall(int u) {
   auto& unit = units_[static_cast<std::size_t>(u)];
   ++unit.checkpointedCalls;
@@ -214,21 +209,19 @@ bool FsdpState::reduceUnit(int u) {
 }
 
 void FsdpState::releaseIfDone(int u) {
-  const auto& unit = units_[static_cast<std::size_t>(u)];
-  if (mayReshardAfterBackward(u) && (unit.reduced || unit.expectedGrads == 0)) postBackward(u);
+  auto& unit = units_[static_cast<std::size_t>(u)];
+  if (unit.postBackwardDone) return;
+  if (!unit.reduced && unit.expectedGrads > 0) return;  // trainable gradients still to come
+  if (unit.pendingRecomputes > 0) return;                // a recompute still reads the parameters
+  if (unit.hasFrozen && (unit.frozenNeedsEnd || unit.pendingInputGrads > 0)) return;
+  unit.postBackwardDone = true;
+  reshard(u);
 }
 
 void FsdpState::onInputGradient(int u, std::uint64_t generation) {
   if (generation != generation_) return;  // a hook of an earlier, abandoned backward
   --units_[static_cast<std::size_t>(u)].pendingInputGrads;
   releaseIfDone(u);
-}
-
-void FsdpState::postBackward(int u) {
-  auto& unit = units_[static_cast<std::size_t>(u)];
-  if (unit.postBackwardDone) return;
-  unit.postBackwardDone = true;
-  reshard(u);
 }
 
 void FsdpState::reduceGradient(int u, int f) {

@@ -135,12 +135,13 @@ class FsdpState {
   void gradientsLanded(int u);
   // Issues unit u's reductions unless this backward already did; false if it had.
   bool reduceUnit(int u);
-  // Releases unit u's full parameters once nothing of its backward can still read them.
+  // Releases unit u's full parameters (once per backward) when nothing of its backward can
+  // still read them: its trainable gradients are in, its recomputes ran, and with frozen
+  // parameters, the gradients it awaits exist.
   void releaseIfDone(int u);
+  // Unit u keeps its full parameters until the gradient of `tensor` exists (if it needs one).
+  void awaitGradient(int u, const at::Tensor& tensor);
   void onInputGradient(int u, std::uint64_t generation);
-  // Releases the unit's full parameters after its backward (once per backward).
-  void postBackward(int u);
-  bool mayReshardAfterBackward(int u) const;
   void reduceGradient(int u, int f);
   void finishBackward();
   void startReplicaSync(PendingReduce& p);
