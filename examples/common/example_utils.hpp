@@ -20,7 +20,7 @@ inline std::string paramsSha256(FullyShardedDataParallel& model) {
   Sha256 hash;
   for (const auto& [name, value] : model->fullParameters()) {
     hash.update(name);
-    const auto t = value.to(at::kFloat).contiguous();
+    const auto t = value.to(at::kCPU, at::kFloat).contiguous();
     hash.update(std::as_bytes(
         std::span(static_cast<const float*>(t.data_ptr()), static_cast<std::size_t>(t.numel()))));
   }

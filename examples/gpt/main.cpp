@@ -109,10 +109,10 @@ std::string sample(fsdp::FullyShardedDataParallel& model, const Corpus& c, const
   for (int i = 0; i < f.sampleChars; ++i) {
     const auto start = context.size() > static_cast<std::size_t>(f.blockSize) ? context.size() - f.blockSize : 0;
     const auto x = at::tensor(std::vector<std::int64_t>(context.begin() + static_cast<std::ptrdiff_t>(start), context.end()),
-                              at::kLong).unsqueeze(0);
-    const auto logits = model->forward(x).to(at::kFloat)[0][-1];
+                              at::kLong).unsqueeze(0).to(rt.device());
+    const auto logits = model->forward(x).to(at::kCPU, at::kFloat)[0][-1];
     auto next = at::multinomial(at::softmax(logits / 0.8, -1), 1, false, gen).to(at::kLong);
-    rt.comm().broadcast(next, 0).wait();
+    rt.cpuComm().broadcast(next, 0).wait();
     const auto token = next.item<std::int64_t>();
     context.push_back(token);
     out.push_back(static_cast<char>(c.alphabet[static_cast<std::size_t>(token)]));
@@ -141,7 +141,9 @@ int run(const Flags& f) {
                             .syncModuleStates = true,
                             .activationCheckpointing = f.checkpointing};
   const auto groups = fsdp::examples::hybridGroupsFor(*rt, options);
-  fsdp::FullyShardedDataParallel model(fsdp::examples::makeGpt(config), rt->comm(), options);
+  auto net = fsdp::examples::makeGpt(config);  // initialised on the CPU: the same on every device
+  net->to(rt->device());
+  fsdp::FullyShardedDataParallel model(net, rt->comm(), options);
   std::int64_t numParams = 0;
   for (const auto& u : model->units()) numParams += u.numel;
   torch::optim::AdamW optimizer(model->parameters(),
@@ -191,6 +193,8 @@ int run(const Flags& f) {
                                 {"mixed_precision", f.mixedPrecision},
                                 {"activation_checkpointing", f.checkpointing},
                                 {"world_size", world},
+                                {"device", rt->device().str()},
+                                {"backend", rt->comm().backendName()},
                                 {"steps", result.steps},
                                 {"test_loss", result.eval.loss},
                                 {"test_accuracy", result.eval.accuracy},

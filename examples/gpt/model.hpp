@@ -69,7 +69,7 @@ class BlockImpl : public torch::nn::Module {
     };
     const auto q = heads(parts[0]), k = heads(parts[1]), v = heads(parts[2]);
     auto att = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(c / nHead_)));
-    const auto future = at::ones({t, t}, at::TensorOptions().dtype(at::kBool)).triu(1);
+    const auto future = at::ones({t, t}, at::TensorOptions().dtype(at::kBool).device(x.device())).triu(1);
     att = at::softmax(att.masked_fill(future, -INFINITY), -1);
     return proj(at::matmul(att, v).transpose(1, 2).contiguous().view({b, t, c}));
   }

@@ -83,7 +83,9 @@ int run(const Flags& flags) {
                             .syncModuleStates = true};
   if (flags.minParams > 0) options.autoWrap = fsdp::AutoWrapPolicy::minParams(flags.minParams);
   const auto groups = fsdp::examples::hybridGroupsFor(*rt, options);
-  fsdp::FullyShardedDataParallel model(makeModel(flags), rt->comm(), options);
+  auto net = makeModel(flags);  // initialised on the CPU: the same weights on every device
+  net->to(rt->device());
+  fsdp::FullyShardedDataParallel model(net, rt->comm(), options);
   torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(flags.lr));
 
   fsdp::Trainer trainer(*rt, model, optimizer, fsdp::Trainer::nllLoss(),
@@ -119,6 +121,8 @@ int run(const Flags& flags) {
         {"sharding", flags.sharding},
         {"mixed_precision", flags.mixedPrecision},
         {"world_size", rt->worldSize()},
+        {"device", rt->device().str()},
+        {"backend", rt->comm().backendName()},
         {"steps", result.steps},
         {"resumed_from_step", result.resumedFrom ? nlohmann::json(*result.resumedFrom) : nlohmann::json(nullptr)},
         {"train_loss", result.trainLoss},

@@ -22,10 +22,11 @@ fsdp::TensorDataset makeData(std::int64_t n, std::uint64_t seed) {
 }
 
 int train(const std::string& out) {
-  auto rt = fsdp::init();  // the job fsdprun started: ranks, the store, Gloo
+  auto rt = fsdp::init();  // the job fsdprun started: ranks, the store, Gloo (NCCL on GPUs)
   torch::manual_seed(0);   // the same initial weights on every rank
   torch::nn::Sequential net(torch::nn::Linear(20, 256), torch::nn::ReLU(), torch::nn::Linear(256, 256),
                             torch::nn::ReLU(), torch::nn::Linear(256, 4));
+  net->to(rt->device());   // the CPU, or this rank's GPU under NCCL
   fsdp::FullyShardedDataParallel model(net, rt->comm(),
                                        {.autoWrap = fsdp::AutoWrapPolicy::minParams(10'000)});
   torch::optim::Adam optimizer(model->parameters(), 1e-3);  // this rank's shards only

@@ -790,7 +790,7 @@ std::optional<TrainingProgress> Checkpointer::loadLatest(FullyShardedDataParalle
     }
   }
   auto pick = at::full({1}, chosen, at::kLong);
-  runtime_.comm().broadcast(pick, 0).wait();
+  runtime_.cpuComm().broadcast(pick, 0).wait();
   chosen = pick.item<std::int64_t>();
   if (chosen < 0) return std::nullopt;
   const std::string path = options_.dir + "/" + stepDirName(chosen);
@@ -865,7 +865,7 @@ std::optional<TrainingProgress> Checkpointer::loadLatest(FullyShardedDataParalle
   const std::string errorKey = runtime_.roundPrefix() + "ckpt/load/" + std::to_string(chosen) + "/error";
   if (!failure.empty()) runtime_.store().set(errorKey, failure);
   auto failed = at::full({1}, failure.empty() ? 0.0 : 1.0, at::kDouble);
-  runtime_.comm().allReduce(failed, ReduceOp::kMax).wait();
+  runtime_.cpuComm().allReduce(failed, ReduceOp::kMax).wait();
   if (failed.item<double>() > 0) {
     if (failure.empty()) failure = runtime_.store().get(errorKey);
     throw ConfigError(failure);
@@ -890,7 +890,7 @@ std::optional<TrainingProgress> Checkpointer::loadLatest(FullyShardedDataParalle
     generator.set_state(*rng);
     progress.rngRestored = true;
   }
-  runtime_.comm().barrier().wait();
+  runtime_.cpuComm().barrier().wait();
   return progress;
 }
 
@@ -904,7 +904,7 @@ void saveFullCheckpoint(Runtime& runtime, FullyShardedDataParallel& model, const
     for (const auto& item : model->module()->named_buffers()) dict.insert(item.key(), item.value().to(at::kCPU, item.value().scalar_type(), false, /*copy=*/true));
     writePickle(dict, path);
   }
-  runtime.comm().barrier().wait();
+  runtime.cpuComm().barrier().wait();
 }
 
 // ---- offline tools ------------------------------------------------------------------------

@@ -1,3 +1,5 @@
+// The NCCL communicator: unique id through the store, non-blocking bounded init, operations on
+// a communication stream ordered by events, a watchdog that aborts on a failure or a deadline.
 #include "fsdp/worker/nccl_communicator.hpp"
 
 #include "fsdp/common/error.hpp"
@@ -9,9 +11,13 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <mutex>
 #include <thread>
+
+#include "fsdp/common/log.hpp"
 
 // Debian's CPU LibTorch ships c10/cuda headers without the generated macros header; only a
 // CUDA LibTorch has it, so that header tells the two apart.
@@ -21,20 +27,31 @@
 #else
 #define FSDP_TORCH_CUDA 0
 #endif
+#if defined(FSDP_EXPECT_TORCH_CUDA) && !FSDP_TORCH_CUDA
+#error "fsdp_nccl_torch_cuda_check must compile the CUDA LibTorch branch"
+#endif
 
 namespace fsdp::worker {
 namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr auto kPoll = std::chrono::milliseconds(1);
+
+std::string rankText(int rank, int size) {
+  return "rank " + std::to_string(rank) + " of " + std::to_string(size);
+}
 
 void checkCuda(cudaError_t err, const std::string& what) {
   if (err != cudaSuccess) throw Error(what + ": " + cudaGetErrorString(err));
 }
 
-// The stream LibTorch computes on (the legacy default stream without a CUDA LibTorch).
-cudaStream_t computeStream() {
+// The stream LibTorch computes on for `device` (the legacy default stream without a CUDA
+// LibTorch).
+cudaStream_t computeStream([[maybe_unused]] int device) {
 #if FSDP_TORCH_CUDA
-  return c10::cuda::getCurrentCUDAStream().stream();
+  return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
 #else
-  return nullptr;
+  return cudaStreamLegacy;
 #endif
 }
 
@@ -64,6 +81,25 @@ ncclRedOp_t ncclOp(ReduceOp op) {
   return ncclSum;
 }
 
+std::string ncclCause(ncclResult_t result) {
+  std::string cause = ncclGetErrorString(result);
+  if (const char* last = ncclGetLastError(nullptr); last != nullptr && *last != '\0') {
+    cause += " (" + std::string(last) + ")";
+  }
+  return cause;
+}
+
+// Polls a non-blocking communicator until its pending call (init, an enqueue, finalize) is
+// done; returns its result, or ncclInProgress when `deadline` passed first.
+ncclResult_t settle(ncclComm_t comm, ncclResult_t result, Clock::time_point deadline) {
+  while (result == ncclInProgress) {
+    if (Clock::now() > deadline) return ncclInProgress;
+    std::this_thread::sleep_for(kPoll);
+    if (ncclCommGetAsyncError(comm, &result) != ncclSuccess) return ncclSystemError;
+  }
+  return result;
+}
+
 // One CUDA event, owned.
 class Event {
  public:
@@ -77,77 +113,200 @@ class Event {
   cudaEvent_t event_ = nullptr;
 };
 
+// One issued operation. It keeps its tensors until its event completed, so that their memory
+// is not reused by the compute stream while NCCL still reads or writes it.
+struct Operation {
+  std::string name;
+  Event done;
+  std::vector<at::Tensor> tensors;
+  Clock::time_point deadline;
+  // Guarded by Shared::mutex.
+  bool finished = false;
+  std::string error;
+};
+
+// What the communicator, its watchdog and its Work handles share.
+struct Shared {
+  std::mutex mutex;
+  std::condition_variable changed;  // an operation was issued, finished or failed; stop
+  ncclComm_t comm = nullptr;         // nullptr once aborted or destroyed
+  std::deque<std::shared_ptr<Operation>> inFlight;
+  std::string error;  // the first failure; every later operation throws it
+  bool stop = false;
+  int rank = 0;
+  int size = 1;
+  int device = 0;
+
+  // Aborts the communicator and fails every pending operation. Caller holds `mutex`.
+  void failLocked(const std::string& op, const std::string& cause) {
+    if (error.empty()) {
+      error = "nccl " + op + " failed on " + rankText(rank, size) + " (cuda:" +
+              std::to_string(device) + "): " + cause + "; the communicator was aborted";
+      log::error("{}", error);
+    }
+    if (comm != nullptr) ncclCommAbort(comm);
+    comm = nullptr;
+    for (auto& pending : inFlight) pending->error = error;
+    inFlight.clear();
+    changed.notify_all();
+  }
+
+  // The error an operation named `op` meets now, or "" when it may go on. Caller holds `mutex`.
+  std::string refusalLocked(const std::string& op) const {
+    if (!error.empty()) return error + "; " + op + " was not run";
+    if (comm == nullptr) return "nccl " + op + " on " + rankText(rank, size) + ": the communicator is closed";
+    return "";
+  }
+};
+
+// Retires finished operations in issue order and watches the oldest one's deadline and the
+// communicator's asynchronous error. Sleeps while nothing is in flight.
+void watchdog(std::shared_ptr<Shared> shared) {
+  cudaSetDevice(shared->device);
+  std::unique_lock lock(shared->mutex);
+  while (!shared->stop) {
+    if (shared->inFlight.empty()) {
+      shared->changed.wait(lock, [&] { return shared->stop || !shared->inFlight.empty(); });
+      continue;
+    }
+    std::vector<std::shared_ptr<Operation>> retired;
+    while (!shared->inFlight.empty()) {
+      auto& front = shared->inFlight.front();
+      const auto state = cudaEventQuery(front->done.get());
+      if (state == cudaErrorNotReady) break;
+      if (state != cudaSuccess) {
+        shared->failLocked(front->name, std::string("CUDA: ") + cudaGetErrorString(state));
+        break;
+      }
+      front->finished = true;
+      retired.push_back(std::move(front));
+      shared->inFlight.pop_front();
+    }
+    if (!retired.empty()) shared->changed.notify_all();
+    if (!shared->inFlight.empty() && shared->comm != nullptr) {
+      ncclResult_t async = ncclSuccess;
+      ncclCommGetAsyncError(shared->comm, &async);
+      const auto& oldest = *shared->inFlight.front();
+      if (async != ncclSuccess && async != ncclInProgress) {
+        shared->failLocked(oldest.name, ncclCause(async));
+      } else if (Clock::now() > oldest.deadline) {
+        shared->failLocked(oldest.name, "did not finish within its timeout (a peer died, stopped or "
+                                        "issued different operations)");
+      }
+    }
+    // The tensors go back to the allocator outside the lock.
+    lock.unlock();
+    retired.clear();
+    lock.lock();
+    if (!shared->inFlight.empty()) shared->changed.wait_for(lock, kPoll);
+  }
+}
+
 class NcclCommunicator final : public Communicator {
  public:
-  NcclCommunicator(ncclComm_t comm, cudaStream_t stream, NcclOptions options)
-      : comm_(comm), stream_(stream), options_(std::move(options)) {}
+  NcclCommunicator(ncclComm_t comm, cudaStream_t stream, void* scratch, NcclOptions options)
+      : shared_(std::make_shared<Shared>()), stream_(stream), scratch_(scratch),
+        options_(std::move(options)) {
+    shared_->comm = comm;
+    shared_->rank = options_.rank;
+    shared_->size = options_.size;
+    shared_->device = options_.device;
+    watchdog_ = std::thread(watchdog, shared_);
+  }
+
   ~NcclCommunicator() override {
-    if (comm_ != nullptr) ncclCommDestroy(comm_);
-    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+    {
+      // Operations still in flight finish (bounded by their deadlines, which the watchdog
+      // enforces) before the communicator goes.
+      std::unique_lock lock(shared_->mutex);
+      shared_->changed.wait(lock, [&] { return shared_->inFlight.empty(); });
+      shared_->stop = true;
+      shared_->changed.notify_all();
+    }
+    watchdog_.join();
+    if (shared_->comm != nullptr) {
+      const auto deadline = Clock::now() + options_.timeout;
+      if (settle(shared_->comm, ncclCommFinalize(shared_->comm), deadline) == ncclSuccess) {
+        ncclCommDestroy(shared_->comm);
+      } else {
+        ncclCommAbort(shared_->comm);
+      }
+      shared_->comm = nullptr;
+    }
+    cudaFree(scratch_);
+    cudaStreamDestroy(stream_);
   }
 
   int rank() const override { return options_.rank; }
   int size() const override { return options_.size; }
   c10::DeviceType deviceType() const override { return c10::DeviceType::CUDA; }
+  c10::Device device() const override {
+    return {c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(options_.device)};
+  }
   const char* backendName() const override { return "NCCL"; }
 
   Work allReduce(at::Tensor tensor, ReduceOp op) override {
     check(tensor, "allReduce");
-    return launch("allReduce", {tensor}, [&] {
+    const auto type = ncclType(tensor.scalar_type(), "allReduce");
+    return launch("allReduce", {tensor}, [&](ncclComm_t comm) {
       return ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()),
-                           ncclType(tensor.scalar_type(), "allReduce"), ncclOp(op), comm_, stream_);
+                           type, ncclOp(op), comm, stream_);
     });
   }
 
   Work allGather(at::Tensor input, at::Tensor output) override {
     check(input, "allGather");
     check(output, "allGather");
+    sameType(input, output, "allGather");
     if (output.numel() != input.numel() * size()) {
       throw Error("allGather: the NCCL communicator needs equal chunks (output " +
                   std::to_string(output.numel()) + " = " + std::to_string(size()) + " x input " +
                   std::to_string(input.numel()) + "); FSDP pads its flat parameters so");
     }
-    return launch("allGather", {input, output}, [&] {
+    const auto type = ncclType(input.scalar_type(), "allGather");
+    return launch("allGather", {input, output}, [&](ncclComm_t comm) {
       return ncclAllGather(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel()),
-                           ncclType(input.scalar_type(), "allGather"), comm_, stream_);
+                           type, comm, stream_);
     });
   }
 
   Work reduceScatter(at::Tensor input, at::Tensor output, ReduceOp op) override {
     check(input, "reduceScatter");
     check(output, "reduceScatter");
+    sameType(input, output, "reduceScatter");
     if (input.numel() != output.numel() * size()) {
       throw Error("reduceScatter: the NCCL communicator needs equal chunks (input " +
                   std::to_string(input.numel()) + " = " + std::to_string(size()) + " x output " +
                   std::to_string(output.numel()) + ")");
     }
-    return launch("reduceScatter", {input, output}, [&] {
+    const auto type = ncclType(input.scalar_type(), "reduceScatter");
+    return launch("reduceScatter", {input, output}, [&](ncclComm_t comm) {
       return ncclReduceScatter(input.data_ptr(), output.data_ptr(),
-                               static_cast<size_t>(output.numel()),
-                               ncclType(input.scalar_type(), "reduceScatter"), ncclOp(op), comm_,
-                               stream_);
+                               static_cast<size_t>(output.numel()), type, ncclOp(op), comm, stream_);
     });
   }
 
   Work broadcast(at::Tensor tensor, int root) override {
     check(tensor, "broadcast");
-    return launch("broadcast", {tensor}, [&] {
+    if (root < 0 || root >= size()) {
+      throw Error("broadcast: root " + std::to_string(root) + " is not a rank of " +
+                  std::to_string(size()));
+    }
+    const auto type = ncclType(tensor.scalar_type(), "broadcast");
+    return launch("broadcast", {tensor}, [&](ncclComm_t comm) {
       return ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()),
-                           ncclType(tensor.scalar_type(), "broadcast"), root, comm_, stream_);
+                           type, root, comm, stream_);
     });
   }
 
+  // A one-element all-reduce on a buffer allocated once; the host waits for it (bounded by the
+  // watchdog's deadline), as a barrier must.
   Work barrier() override {
-    void* scratch = nullptr;
-    checkCuda(cudaMalloc(&scratch, sizeof(float)), "barrier: cudaMalloc");
-    const auto result = ncclAllReduce(scratch, scratch, 1, ncclFloat32, ncclSum, comm_, stream_);
-    const auto sync = cudaStreamSynchronize(stream_);
-    cudaFree(scratch);
-    fail("barrier", result);
-    checkCuda(sync, "barrier on rank " + std::to_string(rank()));
-    std::promise<void> done;
-    done.set_value();
-    return Work(done.get_future().share());
+    const Work issued = launch("barrier", {}, [&](ncclComm_t comm) {
+      return ncclAllReduce(scratch_, scratch_, 1, ncclFloat32, ncclSum, comm, stream_);
+    });
+    issued.wait();  // throws when it failed
+    return issued;
   }
 
  private:
@@ -157,99 +316,164 @@ class NcclCommunicator final : public Communicator {
       throw Error(std::string(op) + ": tensor on " + t.device().str() +
                   ", but the NCCL communicator takes CUDA tensors (use Gloo for CPU)");
     }
+    if (t.device().index() != options_.device) {
+      throw Error(std::string(op) + ": tensor on " + t.device().str() + ", but " +
+                  rankText(rank(), size()) + "'s NCCL communicator is on cuda:" +
+                  std::to_string(options_.device));
+    }
     if (!t.is_contiguous()) throw Error(std::string(op) + ": tensor must be contiguous");
   }
 
+  static void sameType(const at::Tensor& a, const at::Tensor& b, const char* op) {
+    if (a.scalar_type() != b.scalar_type()) {
+      throw Error(std::string(op) + ": input is " + c10::toString(a.scalar_type()) + " but output is " +
+                  c10::toString(b.scalar_type()));
+    }
+  }
+
   // Orders the operation after the compute stream's work so far, issues it on the
-  // communication stream and returns a handle whose wait() orders the compute stream after it.
+  // communication stream and hands it to the watchdog. The Work's wait() orders the compute
+  // stream after it (no host wait) and throws when the operation failed.
   template <typename Issue>
-  Work launch(const char* op, std::vector<at::Tensor> keepAlive, Issue&& issue) {
-    std::scoped_lock lock(mutex_);
-    Event before;
-    checkCuda(cudaEventRecord(before.get(), computeStream()), std::string(op) + ": cudaEventRecord");
-    checkCuda(cudaStreamWaitEvent(stream_, before.get(), 0), std::string(op) + ": cudaStreamWaitEvent");
-    fail(op, issue());
-    auto done = std::make_shared<Event>();
-    checkCuda(cudaEventRecord(done->get(), stream_), std::string(op) + ": cudaEventRecord");
-    const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
-    const std::string name = op;
+  Work launch(const char* op, std::vector<at::Tensor> tensors, Issue&& issue) {
+    auto operation = std::make_shared<Operation>();
+    operation->name = op;
+    operation->tensors = std::move(tensors);
+    {
+      std::scoped_lock lock(shared_->mutex);
+      if (auto refusal = shared_->refusalLocked(op); !refusal.empty()) throw Error(refusal);
+      const auto compute = computeStream(options_.device);
+      Event before;
+      checkCuda(cudaEventRecord(before.get(), compute), std::string(op) + ": cudaEventRecord");
+      checkCuda(cudaStreamWaitEvent(stream_, before.get(), 0), std::string(op) + ": cudaStreamWaitEvent");
+      operation->deadline = Clock::now() + options_.timeout;
+      const auto result = settle(shared_->comm, issue(shared_->comm), operation->deadline);
+      if (result != ncclSuccess) {
+        shared_->failLocked(op, result == ncclInProgress ? std::string("enqueueing did not finish within its timeout")
+                                                         : ncclCause(result));
+        throw Error(shared_->error);
+      }
+      checkCuda(cudaEventRecord(operation->done.get(), stream_), std::string(op) + ": cudaEventRecord");
+      shared_->inFlight.push_back(operation);
+      shared_->changed.notify_all();
+    }
+    const bool hostWait = std::strcmp(op, "barrier") == 0;
     return Work(
-        [this, done, name, deadline, keepAlive = std::move(keepAlive)] {
-          // The host waits (bounded) so that an asynchronous NCCL error or a dead peer is
-          // reported here instead of hanging a kernel forever.
-          while (cudaEventQuery(done->get()) == cudaErrorNotReady) {
-            ncclResult_t async = ncclSuccess;
-            ncclCommGetAsyncError(comm_, &async);
-            fail(name.c_str(), async);
-            if (std::chrono::steady_clock::now() > deadline) {
-              ncclCommAbort(comm_);
-              comm_ = nullptr;
-              throw TimeoutError("nccl " + name + " on rank " + std::to_string(rank()) + " of " +
-                                 std::to_string(size()) + " did not finish within " +
-                                 std::to_string(options_.timeout.count()) +
-                                 " ms; the communicator was aborted");
-            }
-            std::this_thread::yield();
+        [shared = shared_, operation, hostWait] {
+          std::unique_lock lock(shared->mutex);
+          if (hostWait) {
+            shared->changed.wait(lock, [&] { return operation->finished || !operation->error.empty(); });
           }
-          checkCuda(cudaStreamWaitEvent(computeStream(), done->get(), 0),
-                    name + ": cudaStreamWaitEvent");
+          if (!operation->error.empty()) throw Error(operation->error);
+          checkCuda(cudaStreamWaitEvent(computeStream(shared->device), operation->done.get(), 0),
+                    operation->name + ": cudaStreamWaitEvent");
         },
-        [done] { return cudaEventQuery(done->get()) != cudaErrorNotReady; });
+        [shared = shared_, operation] {
+          std::scoped_lock lock(shared->mutex);
+          return operation->finished || !operation->error.empty();
+        });
   }
 
-  void fail(const char* op, ncclResult_t result) {
-    if (result == ncclSuccess || result == ncclInProgress) return;
-    if (comm_ != nullptr) ncclCommAbort(comm_);
-    comm_ = nullptr;
-    throw Error("nccl " + std::string(op) + " failed on rank " + std::to_string(rank()) + " of " +
-                std::to_string(size()) + ": " + ncclGetErrorString(result) +
-                "; the communicator was aborted");
-  }
-
-  ncclComm_t comm_;
+  std::shared_ptr<Shared> shared_;
   cudaStream_t stream_;
+  void* scratch_;
   NcclOptions options_;
-  std::mutex mutex_;
+  std::thread watchdog_;
 };
+
+void checkOptions(const NcclOptions& options) {
+  if (options.size < 1 || options.rank < 0 || options.rank >= options.size) {
+    throw ConfigError("NCCL communicator: rank " + std::to_string(options.rank) +
+                      " is not in a world of size " + std::to_string(options.size));
+  }
+  if (options.storePrefix.empty()) throw ConfigError("NCCL communicator: empty store prefix");
+}
 
 }  // namespace
 
 bool ncclAvailable() { return true; }
 
-std::unique_ptr<Communicator> createNcclCommunicator(rendezvous::StoreClient& store,
-                                                     const NcclOptions& options) {
-  if (options.size < 1 || options.rank < 0 || options.rank >= options.size) {
-    throw ConfigError("NCCL communicator: rank " + std::to_string(options.rank) +
-                      " is not in a world of size " + std::to_string(options.size));
+int cudaDeviceCount() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // a missing driver or device is an answer (0), not a sticky error
+    return 0;
   }
-  checkCuda(cudaSetDevice(options.device), "cudaSetDevice(" + std::to_string(options.device) + ")");
+  return count;
+}
+
+std::string exchangeNcclUniqueId(rendezvous::StoreClient& store, const NcclOptions& options) {
+  checkOptions(options);
   ncclUniqueId id;
   const std::string key = options.storePrefix + "/unique_id";
+  const std::string readers = options.storePrefix + "/unique_id_readers";
   if (options.rank == 0) {
     const auto result = ncclGetUniqueId(&id);
-    if (result != ncclSuccess) throw Error(std::string("ncclGetUniqueId: ") + ncclGetErrorString(result));
-    store.set(key, std::string(reinterpret_cast<const char*>(&id), sizeof id));
-  } else {
-    const std::string value = store.get(key, options.timeout);
-    if (value.size() != sizeof id) {
-      throw ProtocolError("NCCL unique id under '" + key + "' has " + std::to_string(value.size()) +
-                          " bytes, expected " + std::to_string(sizeof id));
+    if (result != ncclSuccess) throw Error("ncclGetUniqueId on rank 0: " + ncclCause(result));
+    std::string value(reinterpret_cast<const char*>(&id), sizeof id);
+    store.set(key, value);
+    if (options.size > 1) {
+      try {
+        store.addAndWait(readers, 1, options.size, options.timeout);
+      } catch (const TimeoutError& e) {
+        throw TimeoutError("NCCL unique id under '" + key + "': not every rank of " +
+                           std::to_string(options.size) + " read it within " +
+                           std::to_string(options.timeout.count()) + " ms (" + e.what() + ")");
+      }
     }
-    std::memcpy(&id, value.data(), sizeof id);
+    store.remove(key);
+    store.remove(readers);
+    return value;
   }
+  const std::string value = store.get(key, options.timeout);
+  if (value.size() != sizeof id) {
+    throw ProtocolError("NCCL unique id under '" + key + "' has " + std::to_string(value.size()) +
+                        " bytes, expected " + std::to_string(sizeof id));
+  }
+  store.add(readers, 1);
+  return value;
+}
+
+std::unique_ptr<Communicator> createNcclCommunicator(rendezvous::StoreClient& store,
+                                                     const NcclOptions& options) {
+  checkOptions(options);
+  const std::string who = rankText(options.rank, options.size) + " (cuda:" + std::to_string(options.device) + ")";
+  const int devices = cudaDeviceCount();
+  if (options.device < 0 || options.device >= devices) {
+    throw ConfigError("NCCL communicator on " + who + ": " + std::to_string(devices) +
+                      " CUDA device(s) visible to this process");
+  }
+  checkCuda(cudaSetDevice(options.device), "cudaSetDevice(" + std::to_string(options.device) + ")");
+  const std::string idBytes = exchangeNcclUniqueId(store, options);
+  ncclUniqueId id;
+  std::memcpy(&id, idBytes.data(), sizeof id);
+
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
   ncclComm_t comm = nullptr;
-  const auto result = ncclCommInitRank(&comm, options.size, id, options.rank);
+  const auto deadline = Clock::now() + options.timeout;
+  auto result = ncclCommInitRankConfig(&comm, options.size, id, options.rank, &config);
+  if (comm != nullptr) result = settle(comm, result, deadline);
   if (result != ncclSuccess) {
-    throw Error("ncclCommInitRank: rank " + std::to_string(options.rank) + " of " +
-                std::to_string(options.size) + ": " + ncclGetErrorString(result));
+    if (comm != nullptr) ncclCommAbort(comm);
+    if (result == ncclInProgress) {
+      throw TimeoutError("ncclCommInitRank on " + who + " did not finish within " +
+                         std::to_string(options.timeout.count()) +
+                         " ms: a rank did not join or cannot reach this one (check NCCL_SOCKET_IFNAME, "
+                         "NCCL_DEBUG=INFO)");
+    }
+    throw Error("ncclCommInitRank on " + who + ": " + ncclCause(result));
   }
   cudaStream_t stream = nullptr;
-  const auto err = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-  if (err != cudaSuccess) {
-    ncclCommDestroy(comm);
-    throw Error(std::string("cudaStreamCreate: ") + cudaGetErrorString(err));
+  void* scratch = nullptr;
+  const auto streamErr = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  const auto mallocErr = streamErr == cudaSuccess ? cudaMalloc(&scratch, sizeof(float)) : streamErr;
+  if (mallocErr != cudaSuccess) {
+    ncclCommAbort(comm);
+    if (stream != nullptr) cudaStreamDestroy(stream);
+    throw Error("NCCL communicator on " + who + ": " + cudaGetErrorString(mallocErr));
   }
-  return std::make_unique<NcclCommunicator>(comm, stream, options);
+  return std::make_unique<NcclCommunicator>(comm, stream, scratch, options);
 }
 
 }  // namespace fsdp::worker
@@ -258,12 +482,19 @@ std::unique_ptr<Communicator> createNcclCommunicator(rendezvous::StoreClient& st
 
 namespace fsdp::worker {
 
-bool ncclAvailable() { return false; }
-
-std::unique_ptr<Communicator> createNcclCommunicator(rendezvous::StoreClient&, const NcclOptions&) {
+namespace {
+[[noreturn]] void notBuilt() {
   throw ConfigError(
-      "this libfsdp was built without NCCL (CMake found no CUDA toolkit and NCCL); CUDA tensors "
-      "need it");
+      "this libfsdp was built without NCCL (CMake found no CUDA runtime and NCCL; set CUDA_HOME / "
+      "NCCL_HOME, sanitizer builds leave it out); CUDA tensors need it");
+}
+}  // namespace
+
+bool ncclAvailable() { return false; }
+int cudaDeviceCount() { return 0; }
+std::string exchangeNcclUniqueId(rendezvous::StoreClient&, const NcclOptions&) { notBuilt(); }
+std::unique_ptr<Communicator> createNcclCommunicator(rendezvous::StoreClient&, const NcclOptions&) {
+  notBuilt();
 }
 
 }  // namespace fsdp::worker

@@ -1,10 +1,15 @@
 #include "fsdp/worker/runtime.hpp"
 
+#include <ATen/Context.h>
+
+#include <algorithm>
+#include <cctype>
 #include <fstream>
 
 #include "fsdp/common/error.hpp"
 #include "fsdp/common/log.hpp"
 #include "fsdp/worker/gloo_communicator.hpp"
+#include "fsdp/worker/nccl_communicator.hpp"
 
 namespace fsdp::worker {
 
@@ -43,12 +48,85 @@ WorkerEnv WorkerEnv::fromEnvironment(const EnvLookup& env) {
   return w;
 }
 
-Runtime::Runtime(WorkerEnv env, std::unique_ptr<rendezvous::StoreClient> store,
-                 std::unique_ptr<Communicator> comm)
-    : env_(std::move(env)), store_(std::move(store)), comm_(std::move(comm)) {}
+Backend parseBackend(const std::string& text, const std::string& source) {
+  std::string lower = text;
+  std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (lower == "auto") return Backend::kAuto;
+  if (lower == "gloo") return Backend::kGloo;
+  if (lower == "nccl") return Backend::kNccl;
+  throw ConfigError(source + "='" + text + "': expected gloo, nccl or auto");
+}
 
-// The communicator (and its thread) goes before the store client it was built over.
-Runtime::~Runtime() { comm_.reset(); }
+const char* backendName(Backend backend) {
+  switch (backend) {
+    case Backend::kAuto: return "auto";
+    case Backend::kGloo: return "gloo";
+    case Backend::kNccl: return "nccl";
+  }
+  return "?";
+}
+
+BackendProbe probeBackends() {
+  BackendProbe probe;
+  probe.ncclBuilt = ncclAvailable();
+  probe.torchCuda = at::hasCUDA();
+  // Counting devices starts the CUDA runtime: only where NCCL could be chosen at all.
+  if (probe.ncclBuilt && probe.torchCuda) probe.devices = cudaDeviceCount();
+  if (const auto visible = processEnv()("CUDA_VISIBLE_DEVICES")) probe.visibleDevices = "'" + *visible + "'";
+  return probe;
+}
+
+BackendChoice chooseBackend(const std::optional<std::string>& envValue, Backend requested,
+                            const BackendProbe& probe, int localRank, int localWorldSize) {
+  const bool fromEnv = envValue.has_value() && !envValue->empty();
+  const Backend wanted = fromEnv ? parseBackend(*envValue, "FSDPRUN_BACKEND") : requested;
+  const std::string source = fromEnv ? "FSDPRUN_BACKEND=" + *envValue
+                                     : std::string("InitOptions::backend = ") + backendName(requested);
+  const bool ncclPossible = probe.ncclBuilt && probe.torchCuda && probe.devices > 0;
+  if (wanted == Backend::kGloo) return {Backend::kGloo, -1, source};
+  if (wanted == Backend::kAuto && !ncclPossible) {
+    return {Backend::kGloo, -1,
+            !probe.ncclBuilt   ? "auto: this libfsdp has no NCCL"
+            : !probe.torchCuda ? "auto: LibTorch has no CUDA"
+                               : "auto: no CUDA device visible"};
+  }
+  if (wanted == Backend::kNccl) {
+    if (!probe.ncclBuilt) {
+      throw ConfigError(source + ": this libfsdp was built without NCCL (CMake found no CUDA runtime and "
+                                 "NCCL, or this is a sanitizer build); set FSDPRUN_BACKEND=gloo or rebuild");
+    }
+    if (!probe.torchCuda) {
+      throw ConfigError(source + ": this LibTorch has no CUDA; build against a CUDA LibTorch "
+                                 "(CMAKE_PREFIX_PATH) or set FSDPRUN_BACKEND=gloo");
+    }
+    if (probe.devices < 1) {
+      throw ConfigError(source + ": no CUDA device is visible to this process (CUDA_VISIBLE_DEVICES=" +
+                        probe.visibleDevices + "); set FSDPRUN_BACKEND=gloo to train on CPU");
+    }
+  }
+  if (localWorldSize > probe.devices) {
+    throw ConfigError((wanted == Backend::kAuto ? std::string("auto") : source) + ": " +
+                      std::to_string(localWorldSize) + " ranks on this node (LOCAL_WORLD_SIZE) but " +
+                      std::to_string(probe.devices) +
+                      " CUDA device(s) visible; NCCL needs one device per rank: start one worker per GPU "
+                      "(fsdprun --nproc_per_node gpu) or set FSDPRUN_BACKEND=gloo");
+  }
+  const int device = localRank % probe.devices;
+  return {Backend::kNccl, device,
+          (wanted == Backend::kAuto ? std::string("auto") : source) + ": LOCAL_RANK " +
+              std::to_string(localRank) + " on cuda:" + std::to_string(device) + " of " +
+              std::to_string(probe.devices)};
+}
+
+Runtime::Runtime(WorkerEnv env, std::unique_ptr<rendezvous::StoreClient> store,
+                 std::unique_ptr<Communicator> comm, std::unique_ptr<Communicator> cpuComm)
+    : env_(std::move(env)), store_(std::move(store)), comm_(std::move(comm)), cpuComm_(std::move(cpuComm)) {}
+
+// The communicators (and their threads) go before the store client they were built over.
+Runtime::~Runtime() {
+  comm_.reset();
+  cpuComm_.reset();
+}
 
 std::unique_ptr<Runtime> init(const InitOptions& options) {
   WorkerEnv env = WorkerEnv::fromEnvironment(processEnv());
@@ -64,14 +142,26 @@ std::unique_ptr<Runtime> init(const InitOptions& options) {
       env.storeHost, static_cast<std::uint16_t>(env.storePort),
       {.connectTimeout = options.timeout, .timeout = options.timeout, .runId = env.runId,
        .token = token});
-  auto comm = createGlooCommunicator(
-      *store, {.rank = env.rank,
-               .size = env.worldSize,
-               .localAddress = env.localAddress,
-               .storePrefix = Runtime::roundPrefixFor(env.round) + "gloo/world",
-               .timeout = options.timeout});
-  log::debug("connected: store {}, world {}", store->endpoint(), env.worldSize);
-  return std::make_unique<Runtime>(std::move(env), std::move(store), std::move(comm));
+  const auto choice = chooseBackend(processEnv()("FSDPRUN_BACKEND"), options.backend, probeBackends(),
+                                    env.localRank, env.localWorldSize);
+  const std::string round = Runtime::roundPrefixFor(env.round);
+  auto gloo = createGlooCommunicator(*store, {.rank = env.rank,
+                                              .size = env.worldSize,
+                                              .localAddress = env.localAddress,
+                                              .storePrefix = round + "gloo/world",
+                                              .timeout = options.timeout});
+  std::unique_ptr<Communicator> nccl;
+  if (choice.backend == Backend::kNccl) {
+    nccl = createNcclCommunicator(*store, {.rank = env.rank,
+                                           .size = env.worldSize,
+                                           .device = choice.device,
+                                           .storePrefix = round + "nccl/world",
+                                           .timeout = options.timeout});
+  }
+  log::info("connected: store {}, world {}, backend {} ({})", store->endpoint(), env.worldSize,
+            backendName(choice.backend), choice.reason);
+  if (nccl) return std::make_unique<Runtime>(std::move(env), std::move(store), std::move(nccl), std::move(gloo));
+  return std::make_unique<Runtime>(std::move(env), std::move(store), std::move(gloo));
 }
 
 }  // namespace fsdp::worker

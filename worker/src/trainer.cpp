@@ -125,10 +125,18 @@ struct Trainer::Impl {
     }
   }
 
+  // The batch where the model computes (the communicator's device: a CUDA device under NCCL).
+  Batch onDevice(const Batch& batch) const {
+    const auto device = runtime.device();
+    if (device.is_cpu()) return batch;
+    return {batch.input.to(device, /*non_blocking=*/true), batch.target.to(device, /*non_blocking=*/true),
+            batch.tokens};
+  }
+
   // Sums (or maxima) over every rank.
   std::vector<double> reduce(std::vector<double> values, ReduceOp op = ReduceOp::kSum) {
     auto t = at::tensor(values, at::kDouble);
-    runtime.comm().allReduce(t, op).wait();
+    runtime.cpuComm().allReduce(t, op).wait();
     const auto* p = t.data_ptr<double>();
     return std::vector<double>(p, p + values.size());
   }
@@ -194,7 +202,7 @@ EvalResult Trainer::evaluate(const Dataset& data) {
     // A last global batch smaller than the world is left out on every rank alike: under
     // sharding, a rank without data would miss its peers' collectives in the forward pass.
     if (item.globalBatch < d.runtime.worldSize()) continue;
-    const auto& b = item.batch;
+    const auto b = d.onDevice(item.batch);
     const auto n = static_cast<double>(b.input.size(0));
     const at::Tensor out = (forward ? forward(d.model, b) : d.model->forward(b.input)).to(at::kFloat);
     lossSum += d.loss(out, b).item<double>() * n;
@@ -311,7 +319,7 @@ FitResult Trainer::fit(const Dataset& train, const Dataset* eval) {
         lastLr = d.optimizer.param_groups().front().options().get_lr();
       }
       d.optimizer.zero_grad();
-      const auto& b = item.batch;
+      const auto b = d.onDevice(item.batch);
       // Every rank has at least gradAccumulation examples here (the skip above). Exactly
       // gradAccumulation micro-batches on every rank, sizes differing by at most one: chunk()
       // would make fewer where the local batch does not divide, and the ranks' collectives

@@ -167,8 +167,11 @@ void FsdpBuilder::checkSameModelEverywhere() {
   mine[2] = static_cast<std::int64_t>(originals_.size());
   mine[3] = numel;
   if (comm.size() == 1) return;
-  auto all = at::empty({kWords * comm.size()}, at::kLong);
+  // On the communicator's device (NCCL takes CUDA tensors only), read back on the host.
+  mine = mine.to(comm.device());
+  auto all = at::empty({kWords * comm.size()}, mine.options());
   comm.allGather(mine, all).wait();
+  all = all.to(at::kCPU);
   const auto* words = all.data_ptr<std::int64_t>();
   for (int r = 1; r < comm.size(); ++r) {
     const auto* theirs = words + static_cast<std::ptrdiff_t>(r) * kWords;

@@ -1,8 +1,10 @@
 // HYBRID_SHARD's two groups: the ranks of a node (shard) and one local rank across nodes
-// (replicate), both Gloo, connected through the job's store.
+// (replicate), Gloo for CPU worlds and NCCL (new unique ids under the round) for GPU ones,
+// connected through the job's store.
 #include "fsdp/worker/fsdp.hpp"
 #include "fsdp/common/error.hpp"
 #include "fsdp/worker/gloo_communicator.hpp"
+#include "fsdp/worker/nccl_communicator.hpp"
 #include "fsdp/worker/runtime.hpp"
 
 namespace fsdp::worker {
@@ -15,29 +17,43 @@ HybridGroups makeHybridGroups(rendezvous::StoreClient& store, const HybridGroupO
   }
   const int node = options.rank / local;
   const int localRank = options.rank % local;
+  const auto group = [&](int rank, int size, const std::string& prefix) -> std::unique_ptr<Communicator> {
+    if (options.deviceType == c10::DeviceType::CUDA) {
+      return createNcclCommunicator(store, {.rank = rank,
+                                            .size = size,
+                                            .device = options.device,
+                                            .storePrefix = prefix,
+                                            .timeout = options.timeout});
+    }
+    if (options.deviceType != c10::DeviceType::CPU) {
+      throw ConfigError("HYBRID_SHARD: no communicator for " +
+                        c10::DeviceTypeName(options.deviceType, /*lower_case=*/true) + " tensors");
+    }
+    return createGlooCommunicator(store, {.rank = rank,
+                                          .size = size,
+                                          .localAddress = options.localAddress,
+                                          .storePrefix = prefix,
+                                          .timeout = options.timeout});
+  };
   HybridGroups groups;
-  groups.shard = createGlooCommunicator(
-      store, {.rank = localRank,
-              .size = local,
-              .localAddress = options.localAddress,
-              .storePrefix = options.storePrefix + "/shard/" + std::to_string(node),
-              .timeout = options.timeout});
-  groups.replicate = createGlooCommunicator(
-      store, {.rank = node,
-              .size = options.worldSize / local,
-              .localAddress = options.localAddress,
-              .storePrefix = options.storePrefix + "/replicate/" + std::to_string(localRank),
-              .timeout = options.timeout});
+  groups.shard = group(localRank, local, options.storePrefix + "/shard/" + std::to_string(node));
+  groups.replicate = group(node, options.worldSize / local,
+                           options.storePrefix + "/replicate/" + std::to_string(localRank));
   return groups;
 }
 
 HybridGroups makeHybridGroups(Runtime& runtime) {
   const auto& env = runtime.env();
-  return makeHybridGroups(runtime.store(), {.rank = env.rank,
-                                            .worldSize = env.worldSize,
-                                            .localWorldSize = env.localWorldSize,
-                                            .localAddress = env.localAddress,
-                                            .storePrefix = runtime.roundPrefix() + "gloo/hybrid"});
+  const auto device = runtime.device();
+  const bool cuda = device.type() == c10::DeviceType::CUDA;
+  return makeHybridGroups(runtime.store(),
+                          {.rank = env.rank,
+                           .worldSize = env.worldSize,
+                           .localWorldSize = env.localWorldSize,
+                           .localAddress = env.localAddress,
+                           .storePrefix = runtime.roundPrefix() + (cuda ? "nccl/hybrid" : "gloo/hybrid"),
+                           .deviceType = device.type(),
+                           .device = cuda ? device.index() : 0});
 }
 
 }  // namespace fsdp::worker

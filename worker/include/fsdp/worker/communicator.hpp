@@ -1,6 +1,6 @@
 #pragma once
 // Collective communication over the ranks of one job. One small interface, two backends:
-// Gloo (CPU tensors) and, in its own issue, NCCL (CUDA tensors).
+// Gloo (CPU tensors) and NCCL (CUDA tensors); fsdp::init() picks one (runtime.hpp).
 //
 // Every operation is asynchronous: it is queued in call order and returns a Work whose
 // wait() blocks until it is done and rethrows its error. Tensors must stay alive and
@@ -54,6 +54,8 @@ class Communicator {
   // The device whose tensors this communicator takes, and its name for messages ("Gloo").
   virtual c10::DeviceType deviceType() const = 0;
   virtual const char* backendName() const = 0;
+  // Where tensors of this communicator live (NCCL: this rank's CUDA device).
+  virtual c10::Device device() const { return c10::Device(deviceType()); }
 
   // In place on `tensor` (contiguous).
   virtual Work allReduce(at::Tensor tensor, ReduceOp op = ReduceOp::kSum) = 0;

@@ -300,6 +300,9 @@ struct HybridGroupOptions {
   std::string localAddress = "127.0.0.1";
   std::string storePrefix = "hybrid";
   std::chrono::milliseconds timeout{300000};
+  // CPU: Gloo groups; CUDA: NCCL groups on CUDA device `device`.
+  c10::DeviceType deviceType = c10::DeviceType::CPU;
+  int device = 0;
 };
 }  // namespace fsdp::worker
 namespace fsdp::rendezvous {
@@ -309,7 +312,8 @@ namespace fsdp::worker {
 // Throws ConfigError when worldSize is not a multiple of localWorldSize.
 HybridGroups makeHybridGroups(rendezvous::StoreClient& store, const HybridGroupOptions& options);
 class Runtime;
-// The groups of this worker's job: nodes as fsdprun started them (LOCAL_WORLD_SIZE ranks each).
+// The groups of this worker's job: nodes as fsdprun started them (LOCAL_WORLD_SIZE ranks each),
+// on the runtime's device (NCCL when runtime.comm() is NCCL).
 HybridGroups makeHybridGroups(Runtime& runtime);
 
 }  // namespace fsdp::worker

@@ -1,13 +1,23 @@
 #pragma once
-// The NCCL backend (CUDA tensors). Built when CMake finds the CUDA toolkit and NCCL
+// The NCCL backend (CUDA tensors). Built when CMake finds the CUDA runtime and NCCL
 // (FSDP_HAVE_NCCL); with a CUDA LibTorch, operations are ordered against PyTorch's current
-// stream, otherwise against the legacy default stream.
+// stream of the communicator's device, otherwise against the legacy default stream.
 //
-// Rank 0 creates the unique id and publishes it through the store under `storePrefix`; the
-// others wait for it. Collectives run on a dedicated communication stream: each waits for an
-// event recorded on the compute stream, and Work::wait() makes the compute stream wait for
-// the operation's completion event (the host blocks only in barrier()). A failed or timed-out
-// operation aborts the communicator and throws, naming the rank and the operation.
+// The unique id: rank 0 draws it and publishes it under `storePrefix` (fsdp::init() puts that
+// under the round, "round/<n>/nccl/world"), the others wait for it with the timeout, and rank 0
+// deletes it once every rank has read it: a new round never sees an old id.
+//
+// Initialisation is non-blocking (ncclCommInitRankConfig, blocking = 0) and bounded by the
+// timeout. Collectives run on a dedicated communication stream: each waits for an event
+// recorded on the compute stream; Work::wait() makes the compute stream wait for the
+// operation's completion event without blocking the host (barrier() blocks the host, bounded).
+// The tensors of an operation stay referenced until its event completed (no recordStream).
+//
+// A watchdog thread per communicator sleeps while nothing is in flight and otherwise checks,
+// every millisecond, completion events, ncclCommGetAsyncError and each operation's deadline.
+// On a failure it aborts the communicator (ncclCommAbort, which also ends kernels stuck on a
+// dead peer), and every pending and later operation throws fsdp::Error naming the rank, the
+// operation and the cause.
 
 #include <chrono>
 #include <memory>
@@ -21,17 +31,27 @@ namespace fsdp::worker {
 struct NcclOptions {
   int rank = 0;
   int size = 1;
-  int device = 0;  // CUDA device index of this rank (usually LOCAL_RANK)
+  int device = 0;  // CUDA device index of this rank (fsdp::init(): LOCAL_RANK modulo the visible)
   std::string storePrefix = "nccl";
+  // Bound on the unique-id exchange, on initialisation and on every operation.
   std::chrono::milliseconds timeout{300000};
 };
 
-// Throws ConfigError when NCCL support was not built, NetworkError/TimeoutError when the
-// unique id cannot be exchanged, Error when NCCL fails to initialise.
+// Throws ConfigError when NCCL support was not built or the options are inconsistent,
+// NetworkError/TimeoutError when the unique id cannot be exchanged, TimeoutError when a rank
+// does not join within the timeout, Error when CUDA or NCCL fail (naming the rank).
 std::unique_ptr<Communicator> createNcclCommunicator(rendezvous::StoreClient& store,
                                                      const NcclOptions& options);
 
+// The unique-id exchange of createNcclCommunicator on its own (it needs no GPU): returns the
+// ncclUniqueId's 128 bytes, the same on every rank of the group. Rank 0 returns once every
+// rank has read the id and the key is deleted. Throws ConfigError without NCCL in the build.
+std::string exchangeNcclUniqueId(rendezvous::StoreClient& store, const NcclOptions& options);
+
 // Whether this build has NCCL support.
 bool ncclAvailable();
+
+// CUDA devices visible to this process (0 without NCCL support, without a driver or device).
+int cudaDeviceCount();
 
 }  // namespace fsdp::worker

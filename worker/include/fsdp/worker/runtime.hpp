@@ -1,12 +1,20 @@
 #pragma once
 // The entry point of a training program: fsdp::init() reads the environment fsdprun set,
-// connects to the job's store and builds the communicator for this round.
+// connects to the job's store and builds the communicators for this round.
 //
 //   auto rt = fsdp::init();
+//   model->to(rt->device());
 //   rt->comm().allReduce(grads, fsdp::ReduceOp::kAverage).wait();
+//
+// The backend: NCCL when this build has NCCL, LibTorch has CUDA and a device is visible, Gloo
+// otherwise. FSDPRUN_BACKEND=gloo|nccl|auto (the operator's word) overrides InitOptions::backend
+// (the program's). With NCCL the current CUDA device is LOCAL_RANK modulo the visible devices,
+// and cpuComm() is a Gloo group over the same ranks for CPU tensors (flags, metrics, checkpoint
+// metadata), as PyTorch programs keep a "gloo" group beside "nccl".
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "fsdp/common/env.hpp"
@@ -40,16 +48,47 @@ struct WorkerEnv {
   static WorkerEnv fromEnvironment(const EnvLookup& env);
 };
 
+enum class Backend { kAuto, kGloo, kNccl };
+
+// "auto", "gloo" or "nccl" (any case). Throws ConfigError naming `source` (e.g.
+// "FSDPRUN_BACKEND") and the value otherwise.
+Backend parseBackend(const std::string& text, const std::string& source);
+const char* backendName(Backend backend);  // "auto", "gloo", "nccl"
+
+// What this process can run.
+struct BackendProbe {
+  bool ncclBuilt = false;   // libfsdp was built with NCCL
+  bool torchCuda = false;   // LibTorch was built with CUDA
+  int devices = 0;          // CUDA devices visible (only counted when both above hold)
+  std::string visibleDevices = "(unset)";  // CUDA_VISIBLE_DEVICES, for messages
+};
+BackendProbe probeBackends();
+
+struct BackendChoice {
+  Backend backend = Backend::kGloo;
+  int device = -1;  // NCCL: the CUDA device of this rank
+  std::string reason;  // one line: why this backend
+};
+// The decision of fsdp::init(): `envValue` (FSDPRUN_BACKEND, when set and not empty) overrides
+// `requested`. Throws ConfigError, naming where the request came from, when NCCL is asked for
+// and this build, this LibTorch or this machine cannot give it, and when NCCL is chosen but
+// the node has more ranks than devices (NCCL takes one device per rank).
+BackendChoice chooseBackend(const std::optional<std::string>& envValue, Backend requested,
+                            const BackendProbe& probe, int localRank, int localWorldSize);
+
 struct InitOptions {
-  // Bound on connecting to the store and on the communicator's rendezvous and collectives.
+  // Bound on connecting to the store and on the communicators' rendezvous and collectives.
   std::chrono::milliseconds timeout{300000};
+  // Which communicator comm() is; FSDPRUN_BACKEND overrides it.
+  Backend backend = Backend::kAuto;
 };
 
 // The worker's connection to its job. Owns the store client and the communicator.
 class Runtime {
  public:
+  // `cpuComm`: a Gloo group for CPU tensors when `comm` is not one (nullptr: comm serves both).
   Runtime(WorkerEnv env, std::unique_ptr<rendezvous::StoreClient> store,
-          std::unique_ptr<Communicator> comm);
+          std::unique_ptr<Communicator> comm, std::unique_ptr<Communicator> cpuComm = nullptr);
   ~Runtime();
   Runtime(const Runtime&) = delete;
   Runtime& operator=(const Runtime&) = delete;
@@ -58,7 +97,11 @@ class Runtime {
   int rank() const { return env_.rank; }
   int worldSize() const { return env_.worldSize; }
   int localRank() const { return env_.localRank; }
+  // The job's communicator (NCCL or Gloo) and where its tensors live.
   Communicator& comm() { return *comm_; }
+  c10::Device device() const { return comm_->device(); }
+  // A communicator for CPU tensors over the same ranks (comm() itself when it is Gloo).
+  Communicator& cpuComm() { return cpuComm_ ? *cpuComm_ : *comm_; }
   rendezvous::StoreClient& store() { return *store_; }
   // Store keys of this round live under this prefix ("round/<n>/"): a restarted round
   // never reads a stale value.
@@ -69,15 +112,18 @@ class Runtime {
   WorkerEnv env_;
   std::unique_ptr<rendezvous::StoreClient> store_;
   std::unique_ptr<Communicator> comm_;
+  std::unique_ptr<Communicator> cpuComm_;
 };
 
-// Reads the environment, connects, builds the Gloo communicator. Throws ConfigError when not
-// started by fsdprun, TimeoutError/NetworkError when the store or peers are unreachable.
+// Reads the environment, connects, picks the backend (chooseBackend) and builds the
+// communicators. Throws ConfigError when not started by fsdprun or when the backend asked for
+// cannot be had, TimeoutError/NetworkError when the store or peers are unreachable.
 std::unique_ptr<Runtime> init(const InitOptions& options = {});
 
 }  // namespace fsdp::worker
 
 namespace fsdp {
+using worker::Backend;
 using worker::Communicator;
 using worker::init;
 using worker::InitOptions;

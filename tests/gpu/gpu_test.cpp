@@ -1,0 +1,180 @@
+// Tests labelled `gpu`: the NCCL path on real devices. Ranks are threads of this process, one
+// CUDA device each (as many ranks as visible devices, at most 4), with a real store on
+// loopback, a Gloo communicator and an NCCL communicator per rank. Each test skips, naming
+// why, where this build or machine cannot run it (no NCCL in the build, a CPU LibTorch, no
+// device). scripts/gpu-check runs them on a machine with a GPU.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <c10/core/DeviceGuard.h>
+#include <torch/nn.h>
+#include <torch/optim.h>
+
+#include <future>
+
+#include "fsdp/common/error.hpp"
+#include "fsdp/rendezvous/store_server.hpp"
+#include "fsdp/worker/fsdp.hpp"
+#include "fsdp/worker/gloo_communicator.hpp"
+#include "fsdp/worker/nccl_communicator.hpp"
+
+namespace {
+
+using namespace std::chrono_literals;
+namespace fw = fsdp::worker;
+
+// Why this machine cannot run the GPU tests ("" when it can).
+std::string whyNoGpu() {
+  if (!fw::ncclAvailable()) return "this libfsdp was built without NCCL";
+  if (!at::hasCUDA()) return "this LibTorch has no CUDA (configure with a CUDA LibTorch: scripts/gpu-check)";
+  if (fw::cudaDeviceCount() < 1) return "no CUDA device is visible";
+  return "";
+}
+
+#define SKIP_WITHOUT_GPU()                                    \
+  do {                                                        \
+    if (const auto why = whyNoGpu(); !why.empty()) GTEST_SKIP() << why; \
+  } while (0)
+
+struct GpuRank {
+  int rank;
+  int world;
+  at::Device device;
+  fw::Communicator& gloo;
+  fw::Communicator& nccl;
+};
+
+// Runs `body` on one thread per device (at most 4), each with its Gloo and NCCL communicator.
+void runGpuRanks(const std::function<void(GpuRank&)>& body) {
+  const int world = std::min(fw::cudaDeviceCount(), 4);
+  fsdp::rendezvous::StoreServer server(fsdp::rendezvous::ServerOptions{});
+  std::vector<std::future<void>> ranks;
+  for (int r = 0; r < world; ++r) {
+    ranks.push_back(std::async(std::launch::async, [&, r] {
+      const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(r));
+      const c10::DeviceGuard guard(device);
+      auto store = fsdp::rendezvous::StoreClient::connect("127.0.0.1", server.port(), {.timeout = 60s});
+      auto gloo = fw::createGlooCommunicator(*store, {.rank = r, .size = world, .storePrefix = "gloo", .timeout = 60s});
+      auto nccl = fw::createNcclCommunicator(
+          *store, {.rank = r, .size = world, .device = r, .storePrefix = "nccl", .timeout = 60s});
+      GpuRank ctx{r, world, device, *gloo, *nccl};
+      body(ctx);
+      nccl->barrier().wait();
+      gloo->barrier().wait();
+    }));
+  }
+  for (auto& f : ranks) f.wait();
+  for (auto& f : ranks) f.get();
+}
+
+// The same collective through NCCL on the device and through Gloo on the CPU, compared.
+TEST(GpuNccl, EveryCollectiveMatchesGloo) {
+  SKIP_WITHOUT_GPU();
+  runGpuRanks([](GpuRank& g) {
+    for (const auto dtype : {at::kFloat, at::kDouble}) {
+      for (const std::int64_t chunk : {1L, 1000L, (1L << 18) + 3}) {
+        const auto gen = at::detail::createCPUGenerator(static_cast<std::uint64_t>(1000 * g.rank + chunk));
+        const auto mine = at::randn({chunk * g.world}, gen, at::TensorOptions().dtype(dtype));
+        const auto onDevice = [&](const at::Tensor& t) { return t.to(g.device); };
+        for (const auto op : {fw::ReduceOp::kSum, fw::ReduceOp::kAverage, fw::ReduceOp::kMax}) {
+          auto cpu = mine.clone();
+          auto gpu = onDevice(mine);
+          g.gloo.allReduce(cpu, op).wait();
+          g.nccl.allReduce(gpu, op).wait();
+          EXPECT_TRUE(at::allclose(gpu.cpu(), cpu, 1e-5, 1e-6)) << "allReduce chunk " << chunk;
+          auto cpuOut = at::empty({chunk}, mine.options());
+          auto gpuOut = at::empty({chunk}, mine.options().device(g.device));
+          g.gloo.reduceScatter(mine, cpuOut, op).wait();
+          g.nccl.reduceScatter(onDevice(mine), gpuOut, op).wait();
+          EXPECT_TRUE(at::allclose(gpuOut.cpu(), cpuOut, 1e-5, 1e-6)) << "reduceScatter chunk " << chunk;
+        }
+        const auto part = mine.slice(0, 0, chunk).contiguous();
+        auto cpuAll = at::empty({chunk * g.world}, mine.options());
+        auto gpuAll = at::empty({chunk * g.world}, mine.options().device(g.device));
+        g.gloo.allGather(part, cpuAll).wait();
+        g.nccl.allGather(onDevice(part), gpuAll).wait();
+        EXPECT_TRUE(at::equal(gpuAll.cpu(), cpuAll)) << "allGather chunk " << chunk;
+        auto cpuB = mine.clone();
+        auto gpuB = onDevice(mine);
+        g.gloo.broadcast(cpuB, g.world - 1).wait();
+        g.nccl.broadcast(gpuB, g.world - 1).wait();
+        EXPECT_TRUE(at::equal(gpuB.cpu(), cpuB)) << "broadcast chunk " << chunk;
+      }
+    }
+  });
+}
+
+TEST(GpuNccl, BadInputsAreNamedBeforeAnythingRuns) {
+  SKIP_WITHOUT_GPU();
+  runGpuRanks([](GpuRank& g) {
+    auto cpu = at::ones({4});
+    EXPECT_THROW(g.nccl.allReduce(cpu).wait(), fsdp::Error);
+    auto ints = at::ones({4}, at::TensorOptions().dtype(at::kBool).device(g.device));
+    EXPECT_THROW(g.nccl.allReduce(ints).wait(), fsdp::Error);
+    auto out = at::empty({3 * g.world + 1}, at::TensorOptions().device(g.device));
+    EXPECT_THROW(g.nccl.allGather(at::ones({3}, out.options()), out).wait(), fsdp::Error);
+  });
+}
+
+// A small model trained for 3 steps with FSDP over NCCL must equal one process on the global
+// batch (the same model on this device), parameter by parameter.
+void trainAndCompare(const fw::FsdpOptions& base, double rtol, double atol) {
+  runGpuRanks([&](GpuRank& g) {
+    const auto make = [&] {
+      torch::manual_seed(7);
+      torch::nn::Sequential net(torch::nn::Linear(32, 64), torch::nn::ReLU(), torch::nn::Linear(64, 64),
+                                torch::nn::LayerNorm(torch::nn::LayerNormOptions({64})), torch::nn::Linear(64, 10));
+      net->to(g.device);
+      return net;
+    };
+    auto options = base;
+    options.autoWrap = fw::AutoWrapPolicy::minParams(1000);
+    fw::FullyShardedDataParallel model(make(), g.nccl, options);
+    auto reference = make();
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    torch::optim::SGD refOpt(reference->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    const std::int64_t local = 6;
+    for (int step = 0; step < 3; ++step) {
+      const auto gen = at::detail::createCPUGenerator(static_cast<std::uint64_t>(100 + step));
+      const auto x = at::randn({local * g.world, 32}, gen).to(g.device);
+      const auto y = at::randint(10, {local * g.world}, gen, at::kLong).to(g.device);
+      opt.zero_grad();
+      const auto mine = x.slice(0, g.rank * local, (g.rank + 1) * local);
+      torch::nn::functional::cross_entropy(model->forward(mine).to(at::kFloat),
+                                           y.slice(0, g.rank * local, (g.rank + 1) * local))
+          .backward();
+      opt.step();
+      refOpt.zero_grad();
+      torch::nn::functional::cross_entropy(reference->forward(x), y).backward();
+      refOpt.step();
+    }
+    const auto full = model->fullParameters();
+    const auto expected = reference->named_parameters();
+    ASSERT_EQ(full.size(), expected.size());
+    for (const auto& [name, value] : full) {
+      const auto want = expected[name].detach().cpu();
+      EXPECT_TRUE(at::allclose(value.cpu().to(at::kFloat), want, rtol, atol))
+          << name << " on rank " << g.rank << ": max difference "
+          << (value.cpu().to(at::kFloat) - want).abs().max().item<double>();
+    }
+  });
+}
+
+TEST(GpuFsdp, FullShardOnCudaEqualsOneProcess) {
+  SKIP_WITHOUT_GPU();
+  // cuBLAS may use TF32 for fp32 matmuls where allowed; the reference runs on the same device.
+  trainAndCompare({}, 1e-4, 1e-5);
+}
+
+TEST(GpuFsdp, Bf16MixedPrecisionStaysCloseToFp32) {
+  SKIP_WITHOUT_GPU();
+  trainAndCompare({.mixedPrecision = fw::MixedPrecision::parse("bf16")}, 5e-2, 2e-2);
+}
+
+TEST(GpuFsdp, CpuOffloadEqualsOneProcess) {
+  SKIP_WITHOUT_GPU();
+  trainAndCompare({.cpuOffload = true}, 1e-4, 1e-5);
+}
+
+}  // namespace
