@@ -14,6 +14,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <thread>
 
@@ -100,6 +101,37 @@ ncclResult_t settle(ncclComm_t comm, ncclResult_t result, Clock::time_point dead
   return result;
 }
 
+// Makes `device` the calling thread's current device for the guard's lifetime: events, streams
+// and the legacy default stream all belong to the current device of the thread that uses them.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+    if (previous_ != device) checkCuda(cudaSetDevice(device), "cudaSetDevice(" + std::to_string(device) + ")");
+  }
+  ~DeviceGuard() {
+    int now = -1;
+    if (previous_ >= 0 && cudaGetDevice(&now) == cudaSuccess && now != previous_) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
+// NCCL: "it is not safe to issue NCCL operations in parallel to independent communicators
+// located on the same device". Every communicator of a device (HYBRID_SHARD has three) issues,
+// aborts and destroys under that device's mutex, always taken after its own.
+std::mutex& deviceMutex(int device) {
+  static std::mutex guard;
+  static std::map<int, std::unique_ptr<std::mutex>> perDevice;
+  std::scoped_lock lock(guard);
+  auto& m = perDevice[device];
+  if (!m) m = std::make_unique<std::mutex>();
+  return *m;
+}
+
 // One CUDA event, owned.
 class Event {
  public:
@@ -138,14 +170,23 @@ struct Shared {
   int device = 0;
 
   // Aborts the communicator and fails every pending operation. Caller holds `mutex`.
-  void failLocked(const std::string& op, const std::string& cause) {
+  void failLocked(std::string op, const std::string& cause) {
     if (error.empty()) {
       error = "nccl " + op + " failed on " + rankText(rank, size) + " (cuda:" +
               std::to_string(device) + "): " + cause + "; the communicator was aborted";
       log::error("{}", error);
     }
-    if (comm != nullptr) ncclCommAbort(comm);
+    if (comm != nullptr) {
+      std::scoped_lock issue(deviceMutex(device));
+      ncclCommAbort(comm);
+    }
     comm = nullptr;
+    // Kernels already queued may still start or exit after the abort: the compute stream is
+    // ordered after the last one before their tensors go back to the allocator.
+    if (!inFlight.empty()) {
+      const DeviceGuard onDevice(device);
+      cudaStreamWaitEvent(computeStream(device), inFlight.back()->done.get(), 0);
+    }
     for (auto& pending : inFlight) pending->error = error;
     inFlight.clear();
     changed.notify_all();
@@ -224,7 +265,9 @@ class NcclCommunicator final : public Communicator {
       shared_->changed.notify_all();
     }
     watchdog_.join();
+    const DeviceGuard onDevice(options_.device);
     if (shared_->comm != nullptr) {
+      std::scoped_lock issue(deviceMutex(options_.device));
       const auto deadline = Clock::now() + options_.timeout;
       if (settle(shared_->comm, ncclCommFinalize(shared_->comm), deadline) == ncclSuccess) {
         ncclCommDestroy(shared_->comm);
@@ -336,6 +379,7 @@ class NcclCommunicator final : public Communicator {
   // stream after it (no host wait) and throws when the operation failed.
   template <typename Issue>
   Work launch(const char* op, std::vector<at::Tensor> tensors, Issue&& issue) {
+    const DeviceGuard onDevice(options_.device);
     auto operation = std::make_shared<Operation>();
     operation->name = op;
     operation->tensors = std::move(tensors);
@@ -347,19 +391,29 @@ class NcclCommunicator final : public Communicator {
       checkCuda(cudaEventRecord(before.get(), compute), std::string(op) + ": cudaEventRecord");
       checkCuda(cudaStreamWaitEvent(stream_, before.get(), 0), std::string(op) + ": cudaStreamWaitEvent");
       operation->deadline = Clock::now() + options_.timeout;
-      const auto result = settle(shared_->comm, issue(shared_->comm), operation->deadline);
+      ncclResult_t result;
+      {
+        std::scoped_lock issuing(deviceMutex(options_.device));
+        result = settle(shared_->comm, issue(shared_->comm), operation->deadline);
+      }
       if (result != ncclSuccess) {
         shared_->failLocked(op, result == ncclInProgress ? std::string("enqueueing did not finish within its timeout")
                                                          : ncclCause(result));
         throw Error(shared_->error);
       }
-      checkCuda(cudaEventRecord(operation->done.get(), stream_), std::string(op) + ": cudaEventRecord");
+      // The collective is queued: from here a failure must abort it, never drop its tensors.
+      if (const auto err = cudaEventRecord(operation->done.get(), stream_); err != cudaSuccess) {
+        shared_->inFlight.push_back(operation);
+        shared_->failLocked(op, std::string("cudaEventRecord: ") + cudaGetErrorString(err));
+        throw Error(shared_->error);
+      }
       shared_->inFlight.push_back(operation);
       shared_->changed.notify_all();
     }
     const bool hostWait = std::strcmp(op, "barrier") == 0;
     return Work(
         [shared = shared_, operation, hostWait] {
+          const DeviceGuard onDevice(shared->device);
           std::unique_lock lock(shared->mutex);
           if (hostWait) {
             shared->changed.wait(lock, [&] { return operation->finished || !operation->error.empty(); });

@@ -1,0 +1,58 @@
+#pragma once
+// The shared-memory backend for ranks on one node (CPU tensors). Rank 0 of the group creates
+// a POSIX shared-memory segment, publishes its name through the store, the others map it, and
+// rank 0 unlinks the name as soon as every rank has mapped it: from then on nothing of it can
+// be left in /dev/shm, whatever happens to the job (the agent removes the segment of a job that
+// died before that point; removeShmSegments()).
+//
+// Each rank owns two staging slots in the segment. A collective moves through them in blocks:
+// every rank copies its block in, one barrier, every rank reads (and reduces) what it needs
+// from the others' slots; the two slots alternate, so that one barrier per block suffices.
+// Each byte crosses memory once into shared memory and once out of it, on the ranks' own
+// threads: no extra thread per rank competes with compute, and nothing goes through the
+// kernel. Barriers spin briefly, then sleep on a futex.
+//
+// Operations run when issued, in issue order (every rank issues the same ones); the returned
+// Work is complete, and carries the operation's error. A peer that dies is noticed within
+// ~100 ms (its pid is gone) and one that stops arriving within the timeout; either way every
+// rank's operation throws, naming the peer, and the group is unusable from then on.
+//
+// bf16 and fp16 are summed in fp32 and rounded once.
+
+#include <chrono>
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "fsdp/rendezvous/store_client.hpp"
+#include "fsdp/worker/communicator.hpp"
+
+namespace fsdp::worker {
+
+struct ShmOptions {
+  int rank = 0;
+  int size = 1;
+  // Store keys of this communicator live under this prefix (per round, per group).
+  std::string storePrefix = "shm";
+  // Segment names start with "fsdprun-<tag>-" (the job's run id, sanitised): what the agent
+  // looks for when it cleans up after its workers.
+  std::string tag = "none";
+  // Bytes of one staging slot (two per rank).
+  std::size_t slotBytes = std::size_t{4} << 20;
+  // Bound on attaching and on every operation.
+  std::chrono::milliseconds timeout{300000};
+};
+
+// Collective over the group: blocks until every rank has mapped the segment. Throws
+// TimeoutError naming the ranks that did not arrive, Error when the segment cannot be made.
+std::unique_ptr<Communicator> createShmCommunicator(rendezvous::StoreClient& store,
+                                                    const ShmOptions& options);
+
+// The prefix of the names (in /dev/shm) of the segments of the job with run id `runId`.
+std::string shmSegmentPrefix(const std::string& runId);
+
+// Removes every segment of that job still named in /dev/shm; returns how many. The agent calls
+// it when its workers are gone (exit, restart, kill).
+int removeShmSegments(const std::string& runId);
+
+}  // namespace fsdp::worker
