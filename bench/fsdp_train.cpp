@@ -249,15 +249,25 @@ void fsdpTrain(const Args& args) {
     std::vector<std::string> argv = {bin + "/fsdprun", "--standalone", "--nproc_per_node", "2"};
     argv.insert(argv.end(), mnist.begin(), mnist.end());
     argv.insert(argv.end(), {"--sharding", sharding});
+    // "fsdp": what fsdp::init() picks (shared memory between the ranks of this node).
     const double rate = report("fsdp", sharding, 2, 1,
                                runAll({{.argv = argv, .env = environmentWith({"OMP_NUM_THREADS=1"})}}, limit));
-    if (sharding == "FULL_SHARD") fullShard = rate;
+    if (sharding == "FULL_SHARD") {
+      fullShard = rate;
+      report("fsdp_gloo", sharding, 2, 1,
+             runAll({{.argv = argv, .env = environmentWith({"OMP_NUM_THREADS=1", "FSDPRUN_BACKEND=gloo"})}}, limit));
+    }
   }
+  double single = 0;
   {
     std::vector<std::string> argv = {bin + "/fsdprun", "--standalone", "--nproc_per_node", "1"};
     argv.insert(argv.end(), mnist.begin(), mnist.end());
-    report("libtorch_single", "-", 1, 2,
-           runAll({{.argv = argv, .env = environmentWith({"OMP_NUM_THREADS=2"})}}, limit));
+    single = report("libtorch_single", "-", 1, 2,
+                    runAll({{.argv = argv, .env = environmentWith({"OMP_NUM_THREADS=2"})}}, limit));
+  }
+  if (fullShard > 0 && single > 0) {
+    emit({{"bench", "fsdp_train"}, {"compare", "FULL_SHARD 2 ranks x 1 thread / one LibTorch process x 2 threads"},
+          {"model", model}, {"ratio", fullShard / single}});
   }
   if (!havePython()) {
     emit({{"bench", "fsdp_train"}, {"impl", "pytorch"}, {"error", "unavailable: needs python3-torch"}});
@@ -281,28 +291,45 @@ void fsdpTrain(const Args& args) {
 void collectives(const Args& args) {
   const auto sizes = args.ints("mb", "1,16,128");
   const auto reps = args.ints("reps", "5").front();
+  const auto rankCounts = args.ints("ranks", "2,4");
   std::string mb;
   for (const auto s : sizes) mb += (mb.empty() ? "" : ",") + std::to_string(s);
   const auto limit = std::chrono::seconds(900);
-  const auto ours = runAll({{.argv = {binDir() + "/fsdprun", "--standalone", "--nproc_per_node", "2",
-                                      selfExe(), "collectives_worker", mb, std::to_string(reps)},
-                             .env = environmentWith({"OMP_NUM_THREADS=1"})}},
-                           limit);
-  if (!ours.ok) emit({{"bench", "collectives"}, {"impl", "fsdp_gloo"}, {"error", ours.error}});
-  for (const auto& line : ours.lines) emit(line);
-  if (!havePython()) return;
-  const auto peer = runAll(torchProcesses({peerScript("collectives_torch.py"), "--mb", mb, "--reps",
-                                           std::to_string(reps)},
-                                          2, 1),
-                           limit);
-  if (!peer.ok) emit({{"bench", "collectives"}, {"impl", "torch_gloo"}, {"error", peer.error}});
-  for (const auto& line : peer.lines) emit(line);
-  // Ratios: torch's time / ours, per operation and size.
-  for (const auto& o : ours.lines) {
-    for (const auto& p : peer.lines) {
-      if (o.value("mb", -1) == p.value("mb", -2) && o.value("op", "") == p.value("op", "x")) {
-        emit({{"bench", "collectives"}, {"compare", o["op"]}, {"mb", o["mb"]},
-              {"torch_method", p["method"]},
+  for (const auto ranks : rankCounts) {
+    std::vector<nlohmann::json> lines;
+    // Ours twice, forced: shared memory (what fsdp::init() picks on one node) and Gloo.
+    for (const std::string backend : {"shm", "gloo"}) {
+      const auto ours = runAll({{.argv = {binDir() + "/fsdprun", "--standalone", "--nproc_per_node", std::to_string(ranks),
+                                          selfExe(), "collectives_worker", mb, std::to_string(reps)},
+                                 .env = environmentWith({"OMP_NUM_THREADS=1", "FSDPRUN_BACKEND=" + backend})}},
+                               limit);
+      if (!ours.ok) emit({{"bench", "collectives"}, {"impl", "fsdp_" + backend}, {"ranks", ranks}, {"error", ours.error}});
+      for (const auto& line : ours.lines) {
+        emit(line);
+        lines.push_back(line);
+      }
+    }
+    if (havePython()) {
+      const auto peer = runAll(torchProcesses({peerScript("collectives_torch.py"), "--mb", mb, "--reps",
+                                               std::to_string(reps)},
+                                              static_cast<int>(ranks), 1),
+                               limit);
+      if (!peer.ok) emit({{"bench", "collectives"}, {"impl", "torch_gloo"}, {"ranks", ranks}, {"error", peer.error}});
+      for (const auto& line : peer.lines) {
+        emit(line);
+        lines.push_back(line);
+      }
+    }
+    // Ratios: the other's time / shared memory's, per operation and size.
+    for (const auto& o : lines) {
+      if (o.value("impl", "") != "fsdp_shm") continue;
+      for (const auto& p : lines) {
+        if (p.value("impl", "") == "fsdp_shm" || o.value("mb", -1) != p.value("mb", -2) ||
+            o.value("op", "") != p.value("op", "x")) {
+          continue;
+        }
+        emit({{"bench", "collectives"}, {"compare", o["op"]}, {"mb", o["mb"]}, {"ranks", ranks},
+              {"shm_vs", p["impl"]}, {"method", p["method"]},
               {"speedup", p["ms_median"].get<double>() / o["ms_median"].get<double>()}});
       }
     }
@@ -339,8 +366,9 @@ int collectivesWorker(const std::string& mbList, int reps) {
       }
       if (rt->rank() == 0) {
         const double median = percentile(ms, 0.5);
-        emit({{"bench", "collectives"}, {"impl", "fsdp_gloo"}, {"op", name}, {"mb", mb},
-              {"ranks", world}, {"method", "gloo algorithm"}, {"ms_median", median},
+        const bool shm = std::string(comm.backendName()) == "shared memory";
+        emit({{"bench", "collectives"}, {"impl", shm ? "fsdp_shm" : "fsdp_gloo"}, {"op", name}, {"mb", mb},
+              {"ranks", world}, {"method", shm ? "shared-memory blocks" : "gloo algorithm"}, {"ms_median", median},
               {"gb_per_s", static_cast<double>(n * 4) / (median * 1e6)}});
       }
     }

@@ -124,9 +124,9 @@ int main(int argc, char** argv) {
        {"model", "epochs"},
        accuracy},
       {"collectives",
-       "all-gather / reduce-scatter / all-reduce on 2 ranks, our Gloo communicator vs "
-       "torch.distributed Gloo (--mb 1,16,128 --reps 5)",
-       {"mb", "reps"},
+       "all-gather / reduce-scatter / all-reduce: our shared-memory communicator vs our Gloo one vs "
+       "torch.distributed Gloo (--mb 1,16,128 --ranks 2,4 --reps 5)",
+       {"mb", "ranks", "reps"},
        collectives},
   };
   if (argc < 2) {

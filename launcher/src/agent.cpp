@@ -19,6 +19,7 @@
 #include "fsdp/common/deadline.hpp"
 #include "fsdp/common/error.hpp"
 #include "fsdp/common/log.hpp"
+#include "fsdp/common/shm.hpp"
 #include "fsdp/common/process.hpp"
 #include "fsdp/common/sha256.hpp"
 #include "fsdp/rendezvous/rdzv_client.hpp"
@@ -573,7 +574,13 @@ AgentResult Agent::run() {
   for (;;) {
     auto joined = joinRound();
     if (auto* result = std::get_if<AgentResult>(&joined)) return std::move(*result);
-    if (auto result = runRound(std::get<Assignment>(joined))) return std::move(*result);
+    auto result = runRound(std::get<Assignment>(joined));
+    // Every worker of the round is gone: what a worker that died before its group attached left
+    // in /dev/shm goes with it (attached segments are unlinked at once).
+    if (const int removed = removeShmSegments(options_.rdzvId, ::getpid()); removed > 0) {
+      log::warn("removed {} shared-memory segment(s) left by this node's workers", removed);
+    }
+    if (result) return std::move(*result);
   }
 }
 

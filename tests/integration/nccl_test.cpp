@@ -81,19 +81,21 @@ TEST(Backend, AValueThatIsNoBackendIsNamedWithTheChoices) {
                             120s, {"FSDPRUN_BACKEND=mpi"});
   ASSERT_FALSE(r.timedOut) << r.err;
   EXPECT_EQ(r.exitCode, 1) << r.out << r.err;
-  EXPECT_NE(r.err.find("FSDPRUN_BACKEND='mpi': expected gloo, nccl or auto"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("FSDPRUN_BACKEND='mpi': expected gloo, shm, nccl or auto"), std::string::npos) << r.err;
 }
 
-TEST(Backend, GlooForcedOrChosenRunsWithTheCpuGroupBeingTheSame) {
+TEST(Backend, OnCpuAutoSharesMemoryAndGlooForcesGlooWithTheCpuGroupBeingTheSame) {
   // With a GPU, auto would pick NCCL for two ranks on one device (refused, as it must be).
-  const auto values = gpuVisible() ? std::vector<std::string>{"gloo"} : std::vector<std::string>{"gloo", "auto", ""};
-  for (const auto& value : values) {
+  std::vector<std::pair<std::string, std::string>> cases = {{"gloo", "Gloo"}, {"shm", "shared memory"}};
+  if (!gpuVisible()) cases.insert(cases.end(), {{"auto", "shared memory"}, {"", "shared memory"}});
+  for (const auto& [value, backend] : cases) {
     const auto r = runCommand({kFsdprun, "--standalone", "--nproc_per_node", "2", kBin + "/nccl_id_worker",
                                "--init_only"},
                               120s, {"FSDPRUN_BACKEND=" + value});
     ASSERT_FALSE(r.timedOut) << r.err;
     EXPECT_EQ(r.exitCode, 0) << value << ": " << r.out << r.err;
-    EXPECT_NE(r.out.find("rank 1 backend Gloo on cpu, cpu group Gloo"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("rank 1 backend " + backend + " on cpu, cpu group " + backend), std::string::npos)
+        << value << ": " << r.out;
   }
 }
 

@@ -1,8 +1,11 @@
 #pragma once
-// Ranks as threads of one test process: each gets its own store client and a real Gloo
+// Ranks as threads of one test process: each gets its own store client and a real
 // communicator (and, when asked, a Runtime), over a real store server on loopback. For tests
-// that link LibTorch (unit_fsdp, the FSDP differential harness).
+// that link LibTorch (unit_fsdp, the FSDP differential harness). The communicator is the one
+// fsdp::init() picks for CPU ranks of one node, shared memory; FSDP_TEST_COMM=gloo runs the
+// same tests over Gloo.
 
+#include <cstdlib>
 #include <functional>
 #include <future>
 #include <memory>
@@ -11,14 +14,22 @@
 #include "fsdp/rendezvous/store_server.hpp"
 #include "fsdp/worker/gloo_communicator.hpp"
 #include "fsdp/worker/runtime.hpp"
+#include "fsdp/worker/shm_communicator.hpp"
 
 namespace fsdp::testing {
+
+// Whether these tests run over shared memory (the default) or Gloo (FSDP_TEST_COMM=gloo).
+inline bool testsUseSharedMemory() {
+  const char* comm = std::getenv("FSDP_TEST_COMM");
+  return comm == nullptr || std::string(comm) != "gloo";
+}
 
 struct RankContext {
   worker::Communicator& comm;
   rendezvous::StoreClient& store;
   int rank;
   int world;
+  bool sharedMemory = testsUseSharedMemory();  // HYBRID_SHARD's shard groups follow it
 };
 
 namespace detail {
@@ -33,8 +44,11 @@ inline void forEachRank(int world,
   for (int r = 0; r < world; ++r) {
     ranks.push_back(std::async(std::launch::async, [&, r] {
       auto store = rendezvous::StoreClient::connect("127.0.0.1", server.port(), {.timeout = 30s});
-      auto comm = worker::createGlooCommunicator(
-          *store, {.rank = r, .size = world, .storePrefix = "world", .timeout = 30s});
+      auto comm = testsUseSharedMemory()
+                      ? worker::createShmCommunicator(
+                            *store, {.rank = r, .size = world, .storePrefix = "world", .timeout = 30s})
+                      : worker::createGlooCommunicator(
+                            *store, {.rank = r, .size = world, .storePrefix = "world", .timeout = 30s});
       body(r, std::move(store), std::move(comm));
     }));
   }
@@ -62,7 +76,8 @@ inline void runRuntimes(int world, const std::function<void(worker::Runtime&)>& 
     env.worldSize = world;
     env.localRank = r;
     env.localWorldSize = world;
-    worker::Runtime rt(env, std::move(store), std::move(comm));
+    worker::Runtime rt(env, std::move(store), std::move(comm), nullptr,
+                       testsUseSharedMemory() ? worker::Backend::kShm : worker::Backend::kGloo);
     body(rt);
     rt.comm().barrier().wait();
   });

@@ -10,6 +10,7 @@
 #include "fsdp/common/log.hpp"
 #include "fsdp/worker/gloo_communicator.hpp"
 #include "fsdp/worker/nccl_communicator.hpp"
+#include "fsdp/worker/shm_communicator.hpp"
 
 namespace fsdp::worker {
 
@@ -54,13 +55,15 @@ Backend parseBackend(const std::string& text, const std::string& source) {
   if (lower == "auto") return Backend::kAuto;
   if (lower == "gloo") return Backend::kGloo;
   if (lower == "nccl") return Backend::kNccl;
-  throw ConfigError(source + "='" + text + "': expected gloo, nccl or auto");
+  if (lower == "shm") return Backend::kShm;
+  throw ConfigError(source + "='" + text + "': expected gloo, shm, nccl or auto");
 }
 
 const char* backendName(Backend backend) {
   switch (backend) {
     case Backend::kAuto: return "auto";
     case Backend::kGloo: return "gloo";
+    case Backend::kShm: return "shm";
     case Backend::kNccl: return "nccl";
   }
   return "?";
@@ -84,11 +87,14 @@ BackendChoice chooseBackend(const std::optional<std::string>& envValue, Backend 
                                      : std::string("InitOptions::backend = ") + backendName(requested);
   const bool ncclPossible = probe.ncclBuilt && probe.torchCuda && probe.devices > 0;
   if (wanted == Backend::kGloo) return {Backend::kGloo, -1, source};
+  if (wanted == Backend::kShm) return {Backend::kShm, -1, source};
   if (wanted == Backend::kAuto && !ncclPossible) {
-    return {Backend::kGloo, -1,
-            !probe.ncclBuilt   ? "auto: this libfsdp has no NCCL"
-            : !probe.torchCuda ? "auto: LibTorch has no CUDA"
-                               : "auto: no CUDA device visible"};
+    const std::string why = !probe.ncclBuilt   ? "this libfsdp has no NCCL"
+                            : !probe.torchCuda ? "LibTorch has no CUDA"
+                                               : "no CUDA device visible";
+    // Shared memory pays where a node has ranks to share it.
+    if (localWorldSize > 1) return {Backend::kShm, -1, "auto: " + why + "; CPU ranks share this node's memory"};
+    return {Backend::kGloo, -1, "auto: " + why + "; one rank on this node"};
   }
   if (wanted == Backend::kNccl) {
     if (!probe.ncclBuilt) {
@@ -119,8 +125,12 @@ BackendChoice chooseBackend(const std::optional<std::string>& envValue, Backend 
 }
 
 Runtime::Runtime(WorkerEnv env, std::unique_ptr<rendezvous::StoreClient> store,
-                 std::unique_ptr<Communicator> comm, std::unique_ptr<Communicator> cpuComm)
-    : env_(std::move(env)), store_(std::move(store)), comm_(std::move(comm)), cpuComm_(std::move(cpuComm)) {}
+                 std::unique_ptr<Communicator> comm, std::unique_ptr<Communicator> cpuComm, Backend backend)
+    : env_(std::move(env)),
+      store_(std::move(store)),
+      comm_(std::move(comm)),
+      cpuComm_(std::move(cpuComm)),
+      backend_(backend) {}
 
 // The communicators (and their threads) go before the store client they were built over.
 Runtime::~Runtime() {
@@ -142,9 +152,31 @@ std::unique_ptr<Runtime> init(const InitOptions& options) {
       env.storeHost, static_cast<std::uint16_t>(env.storePort),
       {.connectTimeout = options.timeout, .timeout = options.timeout, .runId = env.runId,
        .token = token});
-  const auto choice = chooseBackend(processEnv()("FSDPRUN_BACKEND"), options.backend, probeBackends(),
-                                    env.localRank, env.localWorldSize);
+  const auto requested = processEnv()("FSDPRUN_BACKEND");
+  auto choice = chooseBackend(requested, options.backend, probeBackends(), env.localRank, env.localWorldSize);
   const std::string round = Runtime::roundPrefixFor(env.round);
+  const bool oneNode = env.localWorldSize == env.worldSize;
+  std::unique_ptr<Communicator> shm;
+  if (choice.backend == Backend::kShm && oneNode && env.worldSize > 1) {
+    try {
+      shm = createShmCommunicator(*store, {.rank = env.rank,
+                                           .size = env.worldSize,
+                                           .storePrefix = round + "shm/world",
+                                           .runId = env.runId,
+                                           .timeout = options.timeout});
+    } catch (const ConfigError& e) {
+      // Every rank learns the same refusal from rank 0 (no room in /dev/shm): auto falls back
+      // together; a request for shm does not.
+      const bool asked = (requested && !requested->empty()) || options.backend == Backend::kShm;
+      if (asked) throw;
+      log::warn("shared memory unavailable, using Gloo: {}", e.what());
+      choice = {Backend::kGloo, -1, "auto: shared memory unavailable"};
+    }
+  }
+  if (shm) {
+    log::info("connected: store {}, world {}, backend shm ({})", store->endpoint(), env.worldSize, choice.reason);
+    return std::make_unique<Runtime>(std::move(env), std::move(store), std::move(shm), nullptr, Backend::kShm);
+  }
   auto gloo = createGlooCommunicator(*store, {.rank = env.rank,
                                               .size = env.worldSize,
                                               .localAddress = env.localAddress,
@@ -160,8 +192,11 @@ std::unique_ptr<Runtime> init(const InitOptions& options) {
   }
   log::info("connected: store {}, world {}, backend {} ({})", store->endpoint(), env.worldSize,
             backendName(choice.backend), choice.reason);
-  if (nccl) return std::make_unique<Runtime>(std::move(env), std::move(store), std::move(nccl), std::move(gloo));
-  return std::make_unique<Runtime>(std::move(env), std::move(store), std::move(gloo));
+  if (nccl) {
+    return std::make_unique<Runtime>(std::move(env), std::move(store), std::move(nccl), std::move(gloo), Backend::kNccl);
+  }
+  // kShm over several nodes: Gloo for the world; HYBRID_SHARD's node groups use shared memory.
+  return std::make_unique<Runtime>(std::move(env), std::move(store), std::move(gloo), nullptr, choice.backend);
 }
 
 }  // namespace fsdp::worker

@@ -154,18 +154,22 @@ Outcome trainReference(const CaseSpec& c, const Data& data) {
       }
     }
     // Average over replicas (what the reduce-scatter does, in its dtype), then every replica
-    // steps alike.
+    // steps alike. A bf16 reduction sums in bf16 over Gloo; shared memory sums in fp32 and
+    // rounds once.
     at::NoGradGuard noGrad;
+    const bool bf16Sum = c.bf16Reduce && !fsdp::testing::testsUseSharedMemory();
     for (std::size_t i = 0; i < trainable[0].size(); ++i) {
       at::Tensor sum;
       for (int r = 0; r < c.world; ++r) {
         auto g = trainable[static_cast<std::size_t>(r)][i].grad();
         if (!g.defined()) continue;
-        g = g.to(c.bf16Reduce ? at::kBFloat16 : at::kFloat);
+        g = g.to(c.bf16Reduce ? at::kBFloat16 : at::kFloat).to(bf16Sum ? at::kBFloat16 : at::kFloat);
         sum = sum.defined() ? sum + g : g.clone();
       }
       if (!sum.defined()) continue;
-      sum = sum.div_(c.world).to(at::kFloat);
+      sum = sum.div_(c.world);
+      if (c.bf16Reduce) sum = sum.to(at::kBFloat16);
+      sum = sum.to(at::kFloat);
       for (int r = 0; r < c.world; ++r) trainable[static_cast<std::size_t>(r)][i].mutable_grad() = sum.clone();
     }
     for (int r = 0; r < c.world; ++r) {
@@ -203,7 +207,8 @@ Outcome trainFsdp(const CaseSpec& c, const Data& data) {
       groups = worker::makeHybridGroups(ctx.store, {.rank = ctx.rank,
                                                     .worldSize = ctx.world,
                                                     .localWorldSize = c.hybridLocal,
-                                                    .timeout = 30s});
+                                                    .timeout = 30s,
+                                                    .sharedMemoryShard = ctx.sharedMemory});
       options.shardGroup = groups.shard.get();
       options.replicateGroup = groups.replicate.get();
     }

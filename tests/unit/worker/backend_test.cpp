@@ -37,22 +37,25 @@ TEST(Backend, ParsesTheThreeNamesInAnyCase) {
   EXPECT_EQ(parseBackend("gloo", "X"), Backend::kGloo);
   EXPECT_EQ(parseBackend("NCCL", "X"), Backend::kNccl);
   EXPECT_EQ(parseBackend("Auto", "X"), Backend::kAuto);
+  EXPECT_EQ(parseBackend("shm", "X"), Backend::kShm);
   const auto message = configError([] { parseBackend("mpi", "FSDPRUN_BACKEND"); });
-  EXPECT_EQ(message, "FSDPRUN_BACKEND='mpi': expected gloo, nccl or auto");
+  EXPECT_EQ(message, "FSDPRUN_BACKEND='mpi': expected gloo, shm, nccl or auto");
 }
 
 TEST(Backend, AutoPicksNcclOnlyWhereBuildLibTorchAndDeviceAllAllowIt) {
   EXPECT_EQ(chooseBackend(std::nullopt, Backend::kAuto, kGpuBox, 0, 4).backend, Backend::kNccl);
   const auto cpu = chooseBackend(std::nullopt, Backend::kAuto, kCpuBox, 0, 4);
-  EXPECT_EQ(cpu.backend, Backend::kGloo);
+  EXPECT_EQ(cpu.backend, Backend::kShm);
   EXPECT_NE(cpu.reason.find("LibTorch has no CUDA"), std::string::npos) << cpu.reason;
   auto noNccl = kGpuBox;
   noNccl.ncclBuilt = false;
-  EXPECT_EQ(chooseBackend(std::nullopt, Backend::kAuto, noNccl, 0, 4).backend, Backend::kGloo);
+  EXPECT_EQ(chooseBackend(std::nullopt, Backend::kAuto, noNccl, 0, 4).backend, Backend::kShm);
+  EXPECT_EQ(chooseBackend(std::nullopt, Backend::kAuto, noNccl, 0, 1).backend, Backend::kGloo)
+      << "one rank on the node: nothing to share";
   auto noDevice = kGpuBox;
   noDevice.devices = 0;
   const auto none = chooseBackend(std::nullopt, Backend::kAuto, noDevice, 0, 4);
-  EXPECT_EQ(none.backend, Backend::kGloo);
+  EXPECT_EQ(none.backend, Backend::kShm);
   EXPECT_NE(none.reason.find("no CUDA device"), std::string::npos) << none.reason;
 }
 
@@ -76,12 +79,14 @@ TEST(Backend, MoreRanksOnTheNodeThanDevicesIsRefusedWithTheWayOut) {
 
 TEST(Backend, TheEnvironmentOverridesTheProgram) {
   EXPECT_EQ(chooseBackend("gloo", Backend::kNccl, kGpuBox, 0, 4).backend, Backend::kGloo);
+  EXPECT_EQ(chooseBackend("gloo", Backend::kAuto, kCpuBox, 0, 4).backend, Backend::kGloo) << "gloo forces plain Gloo";
+  EXPECT_EQ(chooseBackend("shm", Backend::kGloo, kCpuBox, 0, 4).backend, Backend::kShm);
   EXPECT_EQ(chooseBackend("nccl", Backend::kGloo, kGpuBox, 1, 4).backend, Backend::kNccl);
   EXPECT_EQ(chooseBackend("auto", Backend::kGloo, kGpuBox, 1, 4).backend, Backend::kNccl);
   // Set but empty counts as unset (a cleared variable in a Slurm script).
   EXPECT_EQ(chooseBackend("", Backend::kGloo, kGpuBox, 1, 4).backend, Backend::kGloo);
   EXPECT_EQ(configError([] { chooseBackend("infiniband", Backend::kAuto, kGpuBox, 0, 4); }),
-            "FSDPRUN_BACKEND='infiniband': expected gloo, nccl or auto");
+            "FSDPRUN_BACKEND='infiniband': expected gloo, shm, nccl or auto");
 }
 
 TEST(Backend, NcclAskedForWithoutNcclInTheBuildNamesTheRequestAndTheWayOut) {

@@ -1,10 +1,12 @@
 // HYBRID_SHARD's two groups: the ranks of a node (shard) and one local rank across nodes
-// (replicate), Gloo for CPU worlds and NCCL (new unique ids under the round) for GPU ones,
+// (replicate): Gloo for CPU worlds (the node's group over shared memory when fsdp::init() chose
+// it) and NCCL (new unique ids under the round) for GPU ones,
 // connected through the job's store.
 #include "fsdp/worker/fsdp.hpp"
 #include "fsdp/common/error.hpp"
 #include "fsdp/worker/gloo_communicator.hpp"
 #include "fsdp/worker/nccl_communicator.hpp"
+#include "fsdp/worker/shm_communicator.hpp"
 #include "fsdp/worker/runtime.hpp"
 
 namespace fsdp::worker {
@@ -36,7 +38,16 @@ HybridGroups makeHybridGroups(rendezvous::StoreClient& store, const HybridGroupO
                                           .timeout = options.timeout});
   };
   HybridGroups groups;
-  groups.shard = group(localRank, local, options.storePrefix + "/shard/" + std::to_string(node));
+  const std::string shardPrefix = options.storePrefix + "/shard/" + std::to_string(node);
+  if (options.sharedMemoryShard && options.deviceType == c10::DeviceType::CPU && local > 1) {
+    groups.shard = createShmCommunicator(store, {.rank = localRank,
+                                                 .size = local,
+                                                 .storePrefix = shardPrefix + "/shm",
+                                                 .runId = options.runId,
+                                                 .timeout = options.timeout});
+  } else {
+    groups.shard = group(localRank, local, shardPrefix);
+  }
   groups.replicate = group(node, options.worldSize / local,
                            options.storePrefix + "/replicate/" + std::to_string(localRank));
   return groups;
@@ -53,7 +64,9 @@ HybridGroups makeHybridGroups(Runtime& runtime) {
                            .localAddress = env.localAddress,
                            .storePrefix = runtime.roundPrefix() + (cuda ? "nccl/hybrid" : "gloo/hybrid"),
                            .deviceType = device.type(),
-                           .device = cuda ? device.index() : 0});
+                           .device = cuda ? device.index() : 0,
+                           .sharedMemoryShard = runtime.backend() == Backend::kShm,
+                           .runId = env.runId});
 }
 
 }  // namespace fsdp::worker

@@ -303,6 +303,9 @@ struct HybridGroupOptions {
   // CPU: Gloo groups; CUDA: NCCL groups on CUDA device `device`.
   c10::DeviceType deviceType = c10::DeviceType::CPU;
   int device = 0;
+  // CPU: the shard group (this node's ranks) over shared memory instead of Gloo.
+  bool sharedMemoryShard = false;
+  std::string runId = "none";  // names the shared-memory segment (the agent's cleanup)
 };
 }  // namespace fsdp::worker
 namespace fsdp::rendezvous {
@@ -313,7 +316,8 @@ namespace fsdp::worker {
 HybridGroups makeHybridGroups(rendezvous::StoreClient& store, const HybridGroupOptions& options);
 class Runtime;
 // The groups of this worker's job: nodes as fsdprun started them (LOCAL_WORLD_SIZE ranks each),
-// on the runtime's device (NCCL when runtime.comm() is NCCL).
+// on the runtime's device (NCCL when runtime.comm() is NCCL), the node's group over shared memory
+// when fsdp::init() chose it.
 HybridGroups makeHybridGroups(Runtime& runtime);
 
 }  // namespace fsdp::worker

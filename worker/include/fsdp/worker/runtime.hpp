@@ -6,11 +6,13 @@
 //   model->to(rt->device());
 //   rt->comm().allReduce(grads, fsdp::ReduceOp::kAverage).wait();
 //
-// The backend: NCCL when this build has NCCL, LibTorch has CUDA and a device is visible, Gloo
-// otherwise. FSDPRUN_BACKEND=gloo|nccl|auto (the operator's word) overrides InitOptions::backend
-// (the program's). With NCCL the current CUDA device is LOCAL_RANK modulo the visible devices,
-// and cpuComm() is a Gloo group over the same ranks for CPU tensors (flags, metrics, checkpoint
-// metadata), as PyTorch programs keep a "gloo" group beside "nccl".
+// The backend: NCCL when this build has NCCL, LibTorch has CUDA and a device is visible;
+// otherwise, on CPU, shared memory between the ranks of a node (shm_communicator.hpp) where a
+// node has more than one rank, Gloo where not. FSDPRUN_BACKEND=gloo|shm|nccl|auto (the
+// operator's word) overrides InitOptions::backend (the program's); gloo forces plain Gloo. With
+// NCCL the current CUDA device is LOCAL_RANK modulo the visible devices, and cpuComm() is a Gloo
+// group over the same ranks for CPU tensors (flags, metrics, checkpoint metadata), as PyTorch
+// programs keep a "gloo" group beside "nccl".
 
 #include <chrono>
 #include <memory>
@@ -48,12 +50,12 @@ struct WorkerEnv {
   static WorkerEnv fromEnvironment(const EnvLookup& env);
 };
 
-enum class Backend { kAuto, kGloo, kNccl };
+enum class Backend { kAuto, kGloo, kShm, kNccl };
 
-// "auto", "gloo" or "nccl" (any case). Throws ConfigError naming `source` (e.g.
+// "auto", "gloo", "shm" or "nccl" (any case). Throws ConfigError naming `source` (e.g.
 // "FSDPRUN_BACKEND") and the value otherwise.
 Backend parseBackend(const std::string& text, const std::string& source);
-const char* backendName(Backend backend);  // "auto", "gloo", "nccl"
+const char* backendName(Backend backend);  // "auto", "gloo", "shm", "nccl"
 
 // What this process can run.
 struct BackendProbe {
@@ -70,7 +72,8 @@ struct BackendChoice {
   std::string reason;  // one line: why this backend
 };
 // The decision of fsdp::init(): `envValue` (FSDPRUN_BACKEND, when set and not empty) overrides
-// `requested`. Throws ConfigError, naming where the request came from, when NCCL is asked for
+// `requested`. kShm means shared memory inside each node (the world's communicator when the
+// world is one node; HYBRID_SHARD's shard groups always). Throws ConfigError, naming where the request came from, when NCCL is asked for
 // and this build, this LibTorch or this machine cannot give it, and when NCCL is chosen but
 // the node has more ranks than devices (NCCL takes one device per rank).
 BackendChoice chooseBackend(const std::optional<std::string>& envValue, Backend requested,
@@ -86,9 +89,11 @@ struct InitOptions {
 // The worker's connection to its job. Owns the store client and the communicator.
 class Runtime {
  public:
-  // `cpuComm`: a Gloo group for CPU tensors when `comm` is not one (nullptr: comm serves both).
+  // `cpuComm`: a Gloo group for CPU tensors when `comm` does not take them (nullptr: comm serves
+  // both). `backend`: what fsdp::init() chose (makeHybridGroups follows it).
   Runtime(WorkerEnv env, std::unique_ptr<rendezvous::StoreClient> store,
-          std::unique_ptr<Communicator> comm, std::unique_ptr<Communicator> cpuComm = nullptr);
+          std::unique_ptr<Communicator> comm, std::unique_ptr<Communicator> cpuComm = nullptr,
+          Backend backend = Backend::kGloo);
   ~Runtime();
   Runtime(const Runtime&) = delete;
   Runtime& operator=(const Runtime&) = delete;
@@ -100,8 +105,9 @@ class Runtime {
   // The job's communicator (NCCL or Gloo) and where its tensors live.
   Communicator& comm() { return *comm_; }
   c10::Device device() const { return comm_->device(); }
-  // A communicator for CPU tensors over the same ranks (comm() itself when it is Gloo).
+  // A communicator for CPU tensors over the same ranks (comm() itself when it takes them).
   Communicator& cpuComm() { return cpuComm_ ? *cpuComm_ : *comm_; }
+  Backend backend() const { return backend_; }
   rendezvous::StoreClient& store() { return *store_; }
   // Store keys of this round live under this prefix ("round/<n>/"): a restarted round
   // never reads a stale value.
@@ -113,6 +119,7 @@ class Runtime {
   std::unique_ptr<rendezvous::StoreClient> store_;
   std::unique_ptr<Communicator> comm_;
   std::unique_ptr<Communicator> cpuComm_;
+  Backend backend_ = Backend::kGloo;
 };
 
 // Reads the environment, connects, picks the backend (chooseBackend) and builds the

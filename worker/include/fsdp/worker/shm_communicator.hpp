@@ -3,7 +3,7 @@
 // a POSIX shared-memory segment, publishes its name through the store, the others map it, and
 // rank 0 unlinks the name as soon as every rank has mapped it: from then on nothing of it can
 // be left in /dev/shm, whatever happens to the job (the agent removes the segment of a job that
-// died before that point; removeShmSegments()).
+// died before that point: fsdp::removeShmSegments() in fsdp/common/shm.hpp).
 //
 // Each rank owns two staging slots in the segment. A collective moves through them in blocks:
 // every rank copies its block in, one barrier, every rank reads (and reduces) what it needs
@@ -34,9 +34,9 @@ struct ShmOptions {
   int size = 1;
   // Store keys of this communicator live under this prefix (per round, per group).
   std::string storePrefix = "shm";
-  // Segment names start with "fsdprun-<tag>-" (the job's run id, sanitised): what the agent
-  // looks for when it cleans up after its workers.
-  std::string tag = "none";
+  // The job's run id: segment names start with shmSegmentPrefix(runId, parent pid), what the
+  // agent (the workers' parent) looks for when it cleans up after them.
+  std::string runId = "none";
   // Bytes of one staging slot (two per rank).
   std::size_t slotBytes = std::size_t{4} << 20;
   // Bound on attaching and on every operation.
@@ -47,12 +47,5 @@ struct ShmOptions {
 // TimeoutError naming the ranks that did not arrive, Error when the segment cannot be made.
 std::unique_ptr<Communicator> createShmCommunicator(rendezvous::StoreClient& store,
                                                     const ShmOptions& options);
-
-// The prefix of the names (in /dev/shm) of the segments of the job with run id `runId`.
-std::string shmSegmentPrefix(const std::string& runId);
-
-// Removes every segment of that job still named in /dev/shm; returns how many. The agent calls
-// it when its workers are gone (exit, restart, kill).
-int removeShmSegments(const std::string& runId);
 
 }  // namespace fsdp::worker
