@@ -174,6 +174,7 @@ class GlooCommunicator final : public Communicator {
     }
     return queue_.push([this, input, output, counts] {
       guard("allGather", [&] {
+        if (output.numel() == 0) return;  // gloo::allgather divides by the element count
         if (size() == 1) {
           output.view({-1}).copy_(input.view({-1}));
           return;
@@ -216,6 +217,7 @@ class GlooCommunicator final : public Communicator {
     }
     return queue_.push([this, input, output, counts, op] {
       guard("reduceScatter", [&] {
+        if (input.numel() == 0) return;
         if (size() == 1) {
           output.view({-1}).copy_(input.view({-1}));
           return;

@@ -9,6 +9,7 @@
 #include "fsdp/common/error.hpp"
 #include "fsdp/common/log.hpp"
 #include "fsdp/worker/gloo_communicator.hpp"
+#include "fsdp/worker/hierarchical_communicator.hpp"
 #include "fsdp/worker/nccl_communicator.hpp"
 #include "fsdp/worker/shm_communicator.hpp"
 
@@ -159,11 +160,15 @@ std::unique_ptr<Runtime> init(const InitOptions& options) {
   std::unique_ptr<Communicator> shm;
   if (choice.backend == Backend::kShm && oneNode && env.worldSize > 1) {
     try {
-      shm = createShmCommunicator(*store, {.rank = env.rank,
-                                           .size = env.worldSize,
-                                           .storePrefix = round + "shm/world",
-                                           .runId = env.runId,
-                                           .timeout = options.timeout});
+      ShmOptions shmOptions{.rank = env.rank,
+                            .size = env.worldSize,
+                            .storePrefix = round + "shm/world",
+                            .runId = env.runId,
+                            .timeout = options.timeout};
+      if (const auto kb = processEnv()("FSDPRUN_SHM_SLOT_KB")) {
+        shmOptions.slotBytes = static_cast<std::size_t>(envInt(processEnv(), "FSDPRUN_SHM_SLOT_KB", 0)) * 1024;
+      }
+      shm = createShmCommunicator(*store, shmOptions);
     } catch (const ConfigError& e) {
       // Every rank learns the same refusal from rank 0 (no room in /dev/shm): auto falls back
       // together; a request for shm does not.
@@ -173,8 +178,27 @@ std::unique_ptr<Runtime> init(const InitOptions& options) {
       choice = {Backend::kGloo, -1, "auto: shared memory unavailable"};
     }
   }
+  // Several nodes of several ranks each: shared memory inside every node, Gloo across, when
+  // ranks are node-major (fsdprun's layout: the same number of workers on every node).
+  const bool nodeMajor = env.worldSize % env.localWorldSize == 0 &&
+                         env.rank == env.groupRank * env.localWorldSize + env.localRank;
+  if (choice.backend == Backend::kShm && !oneNode && env.localWorldSize > 1 && nodeMajor) {
+    const int node = env.rank / env.localWorldSize;
+    auto inside = createShmCommunicator(*store, {.rank = env.localRank,
+                                                 .size = env.localWorldSize,
+                                                 .storePrefix = round + "shm/node/" + std::to_string(node),
+                                                 .runId = env.runId,
+                                                 .timeout = options.timeout});
+    auto across = createGlooCommunicator(*store, {.rank = node,
+                                                  .size = env.worldSize / env.localWorldSize,
+                                                  .localAddress = env.localAddress,
+                                                  .storePrefix = round + "gloo/cross/" + std::to_string(env.localRank),
+                                                  .timeout = options.timeout});
+    shm = makeHierarchicalCommunicator(std::move(inside), std::move(across));
+  }
   if (shm) {
-    log::info("connected: store {}, world {}, backend shm ({})", store->endpoint(), env.worldSize, choice.reason);
+    log::info("connected: store {}, world {}, backend {} ({})", store->endpoint(), env.worldSize, shm->backendName(),
+              choice.reason);
     return std::make_unique<Runtime>(std::move(env), std::move(store), std::move(shm), nullptr, Backend::kShm);
   }
   auto gloo = createGlooCommunicator(*store, {.rank = env.rank,
@@ -195,7 +219,8 @@ std::unique_ptr<Runtime> init(const InitOptions& options) {
   if (nccl) {
     return std::make_unique<Runtime>(std::move(env), std::move(store), std::move(nccl), std::move(gloo), Backend::kNccl);
   }
-  // kShm over several nodes: Gloo for the world; HYBRID_SHARD's node groups use shared memory.
+  // kShm where ranks are not node-major (or one per node): Gloo for the world; HYBRID_SHARD's
+  // node groups still use shared memory.
   return std::make_unique<Runtime>(std::move(env), std::move(store), std::move(gloo), nullptr, choice.backend);
 }
 

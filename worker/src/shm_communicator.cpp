@@ -98,9 +98,12 @@ class ShmCommunicator final : public Communicator {
     check(tensor, "allReduce");
     return run("allReduce", [&] {
       if (size() == 1 || tensor.numel() == 0) return;
+      // In place: this rank's chunk of the tensor is reduced where it lies, then gathered.
       const auto flat = tensor.view({-1});
       const auto counts = chunkSizes(flat.numel(), size());
-      auto mine = at::empty({counts[static_cast<std::size_t>(rank())]}, flat.options());
+      std::int64_t offset = 0;
+      for (int r = 0; r < rank(); ++r) offset += counts[static_cast<std::size_t>(r)];
+      const auto mine = flat.narrow(0, offset, counts[static_cast<std::size_t>(rank())]);
       reduceScatterBlocks(flat, mine, counts, op, "allReduce");
       allGatherBlocks(mine, flat, counts, "allReduce");
     });
@@ -248,14 +251,24 @@ class ShmCommunicator final : public Communicator {
   // Every rank arrives, then all go on. Spins briefly, then sleeps on the futex; every slice it
   // checks that the ranks it waits for are alive, that nobody gave up, and the deadline.
   void barrier(const char* op) {
+    arrive();
+    wait(op);
+  }
+
+  // A barrier in two halves, so that a rank can do its own work between them (arrive: "my
+  // block is in my slot"; wait: "every block is in").
+  void arrive() {
     ++generation_;
-    const auto target = static_cast<std::uint32_t>(generation_ * static_cast<std::uint64_t>(size()));
     rankSlot(rank()).arrived.store(static_cast<std::uint32_t>(generation_), std::memory_order_release);
-    const auto now = header().count.fetch_add(1, std::memory_order_acq_rel) + 1;
-    if (now == target) {
+    const auto target = static_cast<std::uint32_t>(generation_ * static_cast<std::uint64_t>(size()));
+    if (header().count.fetch_add(1, std::memory_order_acq_rel) + 1 == target) {
       futex(&header().count, FUTEX_WAKE, INT_MAX, nullptr);
-      return;
     }
+  }
+
+  void wait(const char* op) {
+    const auto target = static_cast<std::uint32_t>(generation_ * static_cast<std::uint64_t>(size()));
+    if (reached(header().count.load(std::memory_order_acquire), target)) return;
     for (unsigned i = 0; i < spins_; ++i) {
       if (reached(header().count.load(std::memory_order_acquire), target)) return;
       cpuRelax();
@@ -298,9 +311,9 @@ class ShmCommunicator final : public Communicator {
     }
   }
 
-  // Block by block: every rank copies, for each destination, its next block of that
+  // Block by block: every rank copies, for each other destination, its next block of that
   // destination's chunk into its slot; one barrier; every rank reduces its own chunk's block
-  // from all slots into `output`.
+  // from the others' slots and its own input into `output`, in rank order.
   void reduceScatterBlocks(const at::Tensor& input, const at::Tensor& output,
                            const std::vector<std::int64_t>& counts, ReduceOp op, const char* name) {
     const int n = size();
@@ -315,11 +328,13 @@ class ShmCommunicator final : public Communicator {
       return at::from_blob(p, {len}, at::TensorOptions().dtype(type));
     };
     const std::int64_t mine = counts[static_cast<std::size_t>(rank())];
+    // allReduce reduces each rank's chunk where it lies: output is input's own chunk.
+    const bool inPlace = output.data_ptr() == bytesAt(input, offsets[static_cast<std::size_t>(rank())]);
     for (std::int64_t start = 0; start < longest; start += block) {
       char* own = slot(rank());
       for (int d = 0; d < n; ++d) {
         const std::int64_t len = std::clamp<std::int64_t>(counts[static_cast<std::size_t>(d)] - start, 0, block);
-        if (len > 0) {
+        if (len > 0 && d != rank()) {  // this rank reads its own piece from its input
           std::memcpy(own + static_cast<std::size_t>(d) * block * element,
                       bytesAt(input, offsets[static_cast<std::size_t>(d)] + start), static_cast<std::size_t>(len * element));
         }
@@ -327,20 +342,31 @@ class ShmCommunicator final : public Communicator {
       barrier(name);
       const std::int64_t len = std::clamp<std::int64_t>(mine - start, 0, block);
       if (len > 0) {
-        const auto piece = [&](int j) { return viewOf(slot(j) + static_cast<std::size_t>(rank()) * block * element, len); };
+        const auto piece = [&](int j) {
+          if (j == rank()) return input.narrow(0, offsets[static_cast<std::size_t>(j)] + start, len);
+          return viewOf(slot(j) + static_cast<std::size_t>(rank()) * block * element, len);
+        };
         auto out = output.narrow(0, start, len);
+        // This rank's piece first, then the others in rank order.
         if (wide) {
-          auto acc = piece(0).to(at::kFloat);
-          for (int j = 1; j < n; ++j) combine(acc, piece(j), op);  // promotes to fp32
+          auto acc = piece(rank()).to(at::kFloat);
+          for (int j = 0; j < n; ++j) {
+            if (j != rank()) combine(acc, piece(j), op);  // promotes to fp32
+          }
           if (op == ReduceOp::kAverage) acc.div_(n);
           out.copy_(acc);
         } else {
-          if (op == ReduceOp::kSum || op == ReduceOp::kAverage) {
-            at::add_out(out, piece(0), piece(1));
-            for (int j = 2; j < n; ++j) out.add_(piece(j));
-          } else {
-            out.copy_(piece(0));
-            for (int j = 1; j < n; ++j) combine(out, piece(j), op);
+          int done = rank();
+          if (!inPlace) {
+            if (op == ReduceOp::kSum || op == ReduceOp::kAverage) {
+              done = rank() == 0 ? 1 : 0;
+              at::add_out(out, piece(rank()), piece(done));  // one pass for the first two
+            } else {
+              out.copy_(piece(rank()));
+            }
+          }
+          for (int j = 0; j < n; ++j) {
+            if (j != rank() && j != done) combine(out, piece(j), op);
           }
           if (op == ReduceOp::kAverage) out.div_(n);
         }
@@ -360,14 +386,17 @@ class ShmCommunicator final : public Communicator {
     for (int i = 1; i < n; ++i) offsets[static_cast<std::size_t>(i)] = offsets[static_cast<std::size_t>(i - 1)] + counts[static_cast<std::size_t>(i - 1)];
     const std::int64_t longest = *std::max_element(counts.begin(), counts.end());
     const std::int64_t mine = counts[static_cast<std::size_t>(rank())];
-    // This rank's own chunk goes straight from input to output.
-    if (mine > 0 && input.data_ptr() != bytesAt(output, offsets[static_cast<std::size_t>(rank())])) {
-      std::memcpy(bytesAt(output, offsets[static_cast<std::size_t>(rank())]), input.data_ptr(), static_cast<std::size_t>(mine * element));
-    }
+    const bool inPlace = input.data_ptr() == bytesAt(output, offsets[static_cast<std::size_t>(rank())]);
     for (std::int64_t start = 0; start < longest; start += block) {
       const std::int64_t len = std::clamp<std::int64_t>(mine - start, 0, block);
       if (len > 0) std::memcpy(slot(rank()), bytesAt(input, start), static_cast<std::size_t>(len * element));
-      barrier(name);
+      arrive();
+      // This rank's own block goes straight from input to output while the others catch up.
+      if (len > 0 && !inPlace) {
+        std::memcpy(bytesAt(output, offsets[static_cast<std::size_t>(rank())] + start), bytesAt(input, start),
+                    static_cast<std::size_t>(len * element));
+      }
+      wait(name);
       for (int j = 0; j < n; ++j) {
         if (j == rank()) continue;
         const std::int64_t theirs = std::clamp<std::int64_t>(counts[static_cast<std::size_t>(j)] - start, 0, block);

@@ -1,6 +1,7 @@
 // The Gloo communicator with 1-4 ranks as threads of this process, over a real store
 // server and Gloo's TCP transport on loopback.
 #include "fsdp/worker/gloo_communicator.hpp"
+#include "communicator_checks.hpp"
 
 #include <ATen/Functions.h>
 #include <gtest/gtest.h>
@@ -70,6 +71,11 @@ TEST_P(GlooWorld, AllGatherOfUnevenSizesConcatenatesInRankOrder) {
       EXPECT_TRUE(at::equal(out, at::arange(total, at::kFloat))) << "total " << total;
     }
   });
+}
+
+TEST_P(GlooWorld, EveryOperationEqualsTheLocalResultForEveryDtypeAndUnevenSizes) {
+  const int w = GetParam();
+  runRanks(w, "every", [w](Communicator& comm) { fsdp::testing::checkEveryOperation(comm, comm.rank(), w, /*oneRounding=*/false); });
 }
 
 TEST_P(GlooWorld, AllReduceBroadcastAndBarrier) {

@@ -14,7 +14,10 @@
 #include "fsdp/common/error.hpp"
 #include "fsdp/common/shm.hpp"
 #include "fsdp/rendezvous/store_server.hpp"
+#include "fsdp/worker/gloo_communicator.hpp"
+#include "fsdp/worker/hierarchical_communicator.hpp"
 #include "fsdp/worker/shm_communicator.hpp"
+#include "communicator_checks.hpp"
 
 namespace {
 
@@ -42,76 +45,12 @@ void runShm(int world, std::size_t slotBytes, const std::function<void(fw::Commu
   for (auto& f : ranks) f.get();
 }
 
-// Rank r's input for a seed: values that make every reduction's order visible in fp32.
-at::Tensor inputOf(int rank, std::int64_t n, at::ScalarType type, int seed) {
-  auto gen = at::detail::createCPUGenerator(static_cast<std::uint64_t>(seed * 131 + rank));
-  auto values = at::randn({n}, gen);
-  if (at::isIntegralType(type, false)) values = values.mul(50).round();
-  return values.to(type);
-}
-
 class ShmWorld : public ::testing::TestWithParam<int> {};
 
 TEST_P(ShmWorld, EveryOperationEqualsTheLocalResultForEveryDtypeAndUnevenSizes) {
   const int world = GetParam();
   // 4 KiB slots: a few hundred elements per block, so 10,007 elements take many blocks.
-  runShm(world, 4096, [world](fw::Communicator& comm, int rank) {
-    for (const auto type : {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf, at::kInt, at::kLong}) {
-      for (const std::int64_t n : {0L, 1L, 7L, 1001L, 10007L}) {
-        SCOPED_TRACE(std::string(c10::toString(type)) + " n=" + std::to_string(n) + " rank " + std::to_string(rank));
-        const auto counts = fw::chunkSizes(n, world);
-        std::int64_t offset = 0;
-        for (int r = 0; r < rank; ++r) offset += counts[static_cast<std::size_t>(r)];
-        const auto mine = counts[static_cast<std::size_t>(rank)];
-        std::vector<at::Tensor> all;
-        for (int r = 0; r < world; ++r) all.push_back(inputOf(r, n, type, 1));
-        // The expected reductions, in fp32 (fp64 for doubles) with one rounding, as promised.
-        const auto acc = type == at::kDouble ? at::kDouble : (at::isIntegralType(type, false) ? at::kLong : at::kFloat);
-        auto sum = at::zeros({n}, acc), mx = all[0].to(acc), mn = all[0].to(acc);
-        for (const auto& t : all) {
-          sum.add_(t.to(acc));
-          mx = at::maximum(mx, t.to(acc));
-          mn = at::minimum(mn, t.to(acc));
-        }
-        const double tol = type == at::kBFloat16 ? 1e-2 : (type == at::kHalf ? 1e-3 : 1e-6);
-        const auto close = [&](const at::Tensor& got, const at::Tensor& want) {
-          return at::allclose(got.to(at::kDouble), want.to(type).to(at::kDouble), tol, tol);
-        };
-
-        auto out = at::empty({mine}, all[0].options());
-        comm.reduceScatter(all[static_cast<std::size_t>(rank)], out, fw::ReduceOp::kSum).wait();
-        EXPECT_TRUE(close(out, sum.narrow(0, offset, mine))) << "reduceScatter sum";
-        if (at::isFloatingType(type)) {
-          comm.reduceScatter(all[static_cast<std::size_t>(rank)], out, fw::ReduceOp::kAverage).wait();
-          EXPECT_TRUE(close(out, sum.narrow(0, offset, mine).div(world))) << "reduceScatter average";
-        }
-        comm.reduceScatter(all[static_cast<std::size_t>(rank)], out, fw::ReduceOp::kMax).wait();
-        EXPECT_TRUE(close(out, mx.narrow(0, offset, mine))) << "reduceScatter max";
-
-        auto gathered = at::empty({n}, all[0].options());
-        comm.allGather(all[static_cast<std::size_t>(rank)].narrow(0, offset, mine).contiguous(), gathered).wait();
-        at::Tensor expectGather = at::empty({n}, all[0].options());
-        for (int r = 0; r < world; ++r) {
-          std::int64_t o = 0;
-          for (int q = 0; q < r; ++q) o += counts[static_cast<std::size_t>(q)];
-          expectGather.narrow(0, o, counts[static_cast<std::size_t>(r)]).copy_(all[static_cast<std::size_t>(r)].narrow(0, o, counts[static_cast<std::size_t>(r)]));
-        }
-        EXPECT_TRUE(at::equal(gathered, expectGather)) << "allGather";
-
-        auto reduced = all[static_cast<std::size_t>(rank)].clone();
-        comm.allReduce(reduced, fw::ReduceOp::kSum).wait();
-        EXPECT_TRUE(close(reduced, sum)) << "allReduce sum";
-        auto smallest = all[static_cast<std::size_t>(rank)].clone();
-        comm.allReduce(smallest, fw::ReduceOp::kMin).wait();
-        EXPECT_TRUE(close(smallest, mn)) << "allReduce min";
-
-        auto b = all[static_cast<std::size_t>(rank)].clone();
-        comm.broadcast(b, world - 1).wait();
-        EXPECT_TRUE(at::equal(b, all[static_cast<std::size_t>(world - 1)])) << "broadcast";
-        comm.barrier().wait();
-      }
-    }
-  });
+  runShm(world, 4096, [world](fw::Communicator& comm, int rank) { fsdp::testing::checkEveryOperation(comm, rank, world); });
 }
 
 TEST_P(ShmWorld, BigTensorsWithTheDefaultSlotsAndEveryRankGetsTheSameSum) {
@@ -126,6 +65,40 @@ TEST_P(ShmWorld, BigTensorsWithTheDefaultSlotsAndEveryRankGetsTheSameSum) {
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, ShmWorld, ::testing::Values(1, 2, 3, 4));
+
+// Several nodes: shared memory inside each (threads stand for the node's ranks) and Gloo
+// across, as fsdp::init() builds them; the same checks on the world they make.
+class HierarchicalWorld : public ::testing::TestWithParam<std::pair<int, int>> {};
+
+TEST_P(HierarchicalWorld, EveryOperationEqualsTheLocalResultForEveryDtypeAndUnevenSizes) {
+  const auto [nodes, perNode] = GetParam();
+  const int world = nodes * perNode;
+  fsdp::rendezvous::StoreServer server(fsdp::rendezvous::ServerOptions{});
+  std::vector<std::future<void>> ranks;
+  for (int r = 0; r < world; ++r) {
+    ranks.push_back(std::async(std::launch::async, [&, r] {
+      auto store = fsdp::rendezvous::StoreClient::connect("127.0.0.1", server.port(), {.timeout = 30s});
+      const int node = r / perNode, local = r % perNode;
+      auto inside = fw::createShmCommunicator(*store, {.rank = local,
+                                                       .size = perNode,
+                                                       .storePrefix = "node/" + std::to_string(node),
+                                                       .slotBytes = 4096,
+                                                       .timeout = 30s});
+      auto across = fw::createGlooCommunicator(
+          *store, {.rank = node, .size = nodes, .storePrefix = "cross/" + std::to_string(local), .timeout = 30s});
+      auto comm = fw::makeHierarchicalCommunicator(std::move(inside), std::move(across));
+      ASSERT_EQ(comm->rank(), r);
+      ASSERT_EQ(comm->size(), world);
+      fsdp::testing::checkEveryOperation(*comm, r, world, /*oneRounding=*/nodes == 1);
+    }));
+  }
+  for (auto& f : ranks) f.wait();
+  for (auto& f : ranks) f.get();
+}
+
+INSTANTIATE_TEST_SUITE_P(NodesTimesRanks, HierarchicalWorld,
+                         ::testing::Values(std::pair{2, 2}, std::pair{3, 2}, std::pair{2, 3}, std::pair{1, 3},
+                                           std::pair{3, 1}));
 
 TEST(ShmCommunicator, NothingIsLeftInDevShmOnceEveryRankAttached) {
   const std::string runId = "leftover-check-" + std::to_string(::getpid());
