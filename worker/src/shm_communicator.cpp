@@ -85,7 +85,7 @@ class ShmCommunicator final : public Communicator {
       : base_(static_cast<char*>(base)), bytes_(bytes), options_(std::move(options)) {
     // Spinning helps only while every rank can run at once.
     const unsigned cores = std::max(1U, std::thread::hardware_concurrency());
-    spins_ = static_cast<unsigned>(options_.size) <= cores ? 20000 : 50;
+    spins_ = static_cast<unsigned>(options_.size) <= cores ? 1000 : 50;
   }
   ~ShmCommunicator() override { ::munmap(base_, bytes_); }
 
