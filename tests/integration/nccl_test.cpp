@@ -84,6 +84,18 @@ TEST(Backend, AValueThatIsNoBackendIsNamedWithTheChoices) {
   EXPECT_NE(r.err.find("FSDPRUN_BACKEND='mpi': expected gloo, shm, nccl or auto"), std::string::npos) << r.err;
 }
 
+TEST(Backend, ABadSharedMemorySlotSizeIsNamedNotFallenBackFrom) {
+  for (const std::string value : {"1", "lots"}) {
+    const auto r = runCommand({kFsdprun, "--standalone", "--nproc_per_node", "2", kBin + "/nccl_id_worker",
+                               "--init_only"},
+                              120s, {"FSDPRUN_SHM_SLOT_KB=" + value});
+    ASSERT_FALSE(r.timedOut) << r.err;
+    EXPECT_EQ(r.exitCode, 1) << r.out << r.err;
+    EXPECT_NE(r.err.find("FSDPRUN_SHM_SLOT_KB"), std::string::npos) << r.err;
+    EXPECT_EQ(r.out.find("backend"), std::string::npos) << r.out;
+  }
+}
+
 TEST(Backend, OnCpuAutoSharesMemoryAndGlooForcesGlooWithTheCpuGroupBeingTheSame) {
   // With a GPU, auto would pick NCCL for two ranks on one device (refused, as it must be).
   std::vector<std::pair<std::string, std::string>> cases = {{"gloo", "Gloo"}, {"shm", "shared memory"}};

@@ -157,18 +157,25 @@ std::unique_ptr<Runtime> init(const InitOptions& options) {
   auto choice = chooseBackend(requested, options.backend, probeBackends(), env.localRank, env.localWorldSize);
   const std::string round = Runtime::roundPrefixFor(env.round);
   const bool oneNode = env.localWorldSize == env.worldSize;
+  // The staging slot of the shared-memory communicators (a bad value is an error, never a
+  // silent fallback to Gloo).
+  std::size_t slotBytes = ShmOptions{}.slotBytes;
+  if (processEnv()("FSDPRUN_SHM_SLOT_KB")) {
+    const long long kb = envInt(processEnv(), "FSDPRUN_SHM_SLOT_KB", 0);
+    if (kb < 4 || kb > (1LL << 20)) {
+      throw ConfigError("FSDPRUN_SHM_SLOT_KB=" + std::to_string(kb) + ": expected 4 to 1048576 (KiB per staging slot)");
+    }
+    slotBytes = static_cast<std::size_t>(kb) * 1024;
+  }
   std::unique_ptr<Communicator> shm;
   if (choice.backend == Backend::kShm && oneNode && env.worldSize > 1) {
     try {
-      ShmOptions shmOptions{.rank = env.rank,
-                            .size = env.worldSize,
-                            .storePrefix = round + "shm/world",
-                            .runId = env.runId,
-                            .timeout = options.timeout};
-      if (const auto kb = processEnv()("FSDPRUN_SHM_SLOT_KB")) {
-        shmOptions.slotBytes = static_cast<std::size_t>(envInt(processEnv(), "FSDPRUN_SHM_SLOT_KB", 0)) * 1024;
-      }
-      shm = createShmCommunicator(*store, shmOptions);
+      shm = createShmCommunicator(*store, {.rank = env.rank,
+                                           .size = env.worldSize,
+                                           .storePrefix = round + "shm/world",
+                                           .runId = env.runId,
+                                           .slotBytes = slotBytes,
+                                           .timeout = options.timeout});
     } catch (const ConfigError& e) {
       // Every rank learns the same refusal from rank 0 (no room in /dev/shm): auto falls back
       // together; a request for shm does not.
@@ -188,6 +195,7 @@ std::unique_ptr<Runtime> init(const InitOptions& options) {
                                                  .size = env.localWorldSize,
                                                  .storePrefix = round + "shm/node/" + std::to_string(node),
                                                  .runId = env.runId,
+                                                 .slotBytes = slotBytes,
                                                  .timeout = options.timeout});
     auto across = createGlooCommunicator(*store, {.rank = node,
                                                   .size = env.worldSize / env.localWorldSize,
