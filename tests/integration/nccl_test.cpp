@@ -24,6 +24,12 @@ const std::string kFsdprun = kBin + "/fsdprun";
 // A machine with an NVIDIA GPU (its device nodes): there NCCL can be had, and auto may pick it.
 bool gpuVisible() { return std::filesystem::exists("/dev/nvidiactl") || std::filesystem::exists("/dev/nvidia0"); }
 
+// Two ranks under fsdprun that only call fsdp::init() with `variable` ("KEY=VALUE") set.
+fsdp::testing::RunResult initOnly(const std::string& variable) {
+  return runCommand({kFsdprun, "--standalone", "--nproc_per_node", "2", kBin + "/nccl_id_worker", "--init_only"},
+                    120s, {variable});
+}
+
 std::string firstLine(const std::string& path) {
   std::ifstream in(path);
   std::string line;
@@ -65,9 +71,7 @@ TEST(NcclUniqueId, FourProcessesShareRankZerosIdAndARestartGetsANewOne) {
 // error), and fsdprun names the failing rank.
 TEST(Backend, NcclAskedForOnAMachineWithoutItFailsEveryRankNamingIt) {
   if (gpuVisible()) GTEST_SKIP() << "this machine has a GPU: NCCL can be had";
-  const auto r = runCommand({kFsdprun, "--standalone", "--nproc_per_node", "2", kBin + "/nccl_id_worker",
-                             "--init_only"},
-                            120s, {"FSDPRUN_BACKEND=nccl"});
+  const auto r = initOnly("FSDPRUN_BACKEND=nccl");
   ASSERT_FALSE(r.timedOut) << r.err;
   EXPECT_EQ(r.exitCode, 1) << r.out << r.err;
   EXPECT_NE(r.err.find("FSDPRUN_BACKEND=nccl: "), std::string::npos) << r.err;
@@ -76,9 +80,7 @@ TEST(Backend, NcclAskedForOnAMachineWithoutItFailsEveryRankNamingIt) {
 }
 
 TEST(Backend, AValueThatIsNoBackendIsNamedWithTheChoices) {
-  const auto r = runCommand({kFsdprun, "--standalone", "--nproc_per_node", "2", kBin + "/nccl_id_worker",
-                             "--init_only"},
-                            120s, {"FSDPRUN_BACKEND=mpi"});
+  const auto r = initOnly("FSDPRUN_BACKEND=mpi");
   ASSERT_FALSE(r.timedOut) << r.err;
   EXPECT_EQ(r.exitCode, 1) << r.out << r.err;
   EXPECT_NE(r.err.find("FSDPRUN_BACKEND='mpi': expected gloo, shm, nccl or auto"), std::string::npos) << r.err;
@@ -86,9 +88,7 @@ TEST(Backend, AValueThatIsNoBackendIsNamedWithTheChoices) {
 
 TEST(Backend, ABadSharedMemorySlotSizeIsNamedNotFallenBackFrom) {
   for (const std::string value : {"1", "lots"}) {
-    const auto r = runCommand({kFsdprun, "--standalone", "--nproc_per_node", "2", kBin + "/nccl_id_worker",
-                               "--init_only"},
-                              120s, {"FSDPRUN_SHM_SLOT_KB=" + value});
+    const auto r = initOnly("FSDPRUN_SHM_SLOT_KB=" + value);
     ASSERT_FALSE(r.timedOut) << r.err;
     EXPECT_EQ(r.exitCode, 1) << r.out << r.err;
     EXPECT_NE(r.err.find("FSDPRUN_SHM_SLOT_KB"), std::string::npos) << r.err;
@@ -101,9 +101,7 @@ TEST(Backend, OnCpuAutoSharesMemoryAndGlooForcesGlooWithTheCpuGroupBeingTheSame)
   std::vector<std::pair<std::string, std::string>> cases = {{"gloo", "Gloo"}, {"shm", "shared memory"}};
   if (!gpuVisible()) cases.insert(cases.end(), {{"auto", "shared memory"}, {"", "shared memory"}});
   for (const auto& [value, backend] : cases) {
-    const auto r = runCommand({kFsdprun, "--standalone", "--nproc_per_node", "2", kBin + "/nccl_id_worker",
-                               "--init_only"},
-                              120s, {"FSDPRUN_BACKEND=" + value});
+    const auto r = initOnly("FSDPRUN_BACKEND=" + value);
     ASSERT_FALSE(r.timedOut) << r.err;
     EXPECT_EQ(r.exitCode, 0) << value << ": " << r.out << r.err;
     EXPECT_NE(r.out.find("rank 1 backend " + backend + " on cpu, cpu group " + backend), std::string::npos)

@@ -165,13 +165,7 @@ class GlooCommunicator final : public Communicator {
   Work allGather(at::Tensor input, at::Tensor output) override {
     check(input, "allGather");
     check(output, "allGather");
-    sameType(input, output, "allGather");
-    const auto counts = chunkSizes(output.numel(), size());
-    if (input.numel() != counts[rank()]) {
-      throw Error("allGather: input has " + std::to_string(input.numel()) + " elements, rank " +
-                  std::to_string(rank()) + " must send " + std::to_string(counts[rank()]) +
-                  " of the output's " + std::to_string(output.numel()));
-    }
+    const auto counts = checkGatherSizes(input, output, rank(), size());
     return queue_.push([this, input, output, counts] {
       guard("allGather", [&] {
         if (output.numel() == 0) return;  // gloo::allgather divides by the element count
@@ -207,14 +201,7 @@ class GlooCommunicator final : public Communicator {
   Work reduceScatter(at::Tensor input, at::Tensor output, ReduceOp op) override {
     check(input, "reduceScatter");
     check(output, "reduceScatter");
-    sameType(input, output, "reduceScatter");
-    const auto counts = chunkSizes(input.numel(), size());
-    if (output.numel() != counts[rank()]) {
-      throw Error("reduceScatter: output has " + std::to_string(output.numel()) +
-                  " elements, rank " + std::to_string(rank()) + " receives " +
-                  std::to_string(counts[rank()]) + " of the input's " +
-                  std::to_string(input.numel()));
-    }
+    const auto counts = checkScatterSizes(input, output, rank(), size());
     return queue_.push([this, input, output, counts, op] {
       guard("reduceScatter", [&] {
         if (input.numel() == 0) return;
@@ -272,12 +259,6 @@ class GlooCommunicator final : public Communicator {
     if (!t.is_contiguous()) throw Error(std::string(op) + ": tensor must be contiguous");
     dispatchType(t.scalar_type(), [](auto) {});  // throws for dtypes Gloo cannot reduce
   }
-  void sameType(const at::Tensor& a, const at::Tensor& b, const char* op) const {
-    if (a.scalar_type() != b.scalar_type()) {
-      throw Error(std::string(op) + ": input is " + c10::toString(a.scalar_type()) +
-                  " but output is " + c10::toString(b.scalar_type()));
-    }
-  }
   // Turns Gloo's exceptions into ours, naming the rank and the operation.
   template <typename Fn>
   void guard(const char* op, Fn&& fn) {
@@ -305,8 +286,7 @@ class GlooCommunicator final : public Communicator {
     const int n = size();
     const int r = rank();
     const auto mod = [n](int v) { return ((v % n) + n) % n; };
-    std::vector<std::int64_t> offsets(static_cast<std::size_t>(n), 0);
-    for (int i = 1; i < n; ++i) offsets[i] = offsets[i - 1] + counts[i - 1];
+    const auto offsets = chunkOffsets(counts);
     const auto chunk = [&](int j) { return input.narrow(0, offsets[j], counts[j]); };
     const std::size_t element = input.element_size();
     const std::uint64_t slot = gloo::Slot::build(kReduceScatterSlotPrefix, nextTag());
@@ -345,12 +325,6 @@ class GlooCommunicator final : public Communicator {
 };
 
 }  // namespace
-
-std::vector<std::int64_t> chunkSizes(std::int64_t total, int worldSize) {
-  std::vector<std::int64_t> counts(static_cast<std::size_t>(worldSize), total / worldSize);
-  for (std::int64_t r = 0; r < total % worldSize; ++r) ++counts[static_cast<std::size_t>(r)];
-  return counts;
-}
 
 std::unique_ptr<Communicator> createGlooCommunicator(rendezvous::StoreClient& store,
                                                      const GlooOptions& options) {

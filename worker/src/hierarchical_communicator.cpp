@@ -4,8 +4,6 @@
 
 #include <ATen/Functions.h>
 
-#include <future>
-
 #include "fsdp/common/error.hpp"
 
 namespace fsdp::worker {
@@ -23,12 +21,10 @@ class HierarchicalCommunicator final : public Communicator {
 
   Work allReduce(at::Tensor tensor, ReduceOp op) override {
     checkContiguous(tensor, "allReduce");
-    return run([&] {
+    return completedWork([&] {
       // Inside the node to one chunk per local rank, that chunk across nodes, back inside.
       const auto flat = tensor.view({-1});
       const auto counts = chunkSizes(flat.numel(), localSize());
-      std::int64_t offset = 0;
-      for (int r = 0; r < localRank(); ++r) offset += counts[static_cast<std::size_t>(r)];
       auto mine = at::empty({counts[static_cast<std::size_t>(localRank())]}, flat.options());
       const ReduceOp inner = op == ReduceOp::kAverage ? ReduceOp::kSum : op;
       local_->reduceScatter(flat, mine, inner).wait();
@@ -44,22 +40,15 @@ class HierarchicalCommunicator final : public Communicator {
   Work reduceScatter(at::Tensor input, at::Tensor output, ReduceOp op) override {
     checkContiguous(input, "reduceScatter");
     checkContiguous(output, "reduceScatter");
-    const auto counts = chunkSizes(input.numel(), size());
-    if (output.numel() != counts[static_cast<std::size_t>(rank())]) {
-      throw Error("reduceScatter: output has " + std::to_string(output.numel()) + " elements, rank " +
-                  std::to_string(rank()) + " receives " + std::to_string(counts[static_cast<std::size_t>(rank())]) +
-                  " of the input's " + std::to_string(input.numel()));
-    }
-    return run([&] {
+    const auto counts = checkScatterSizes(input, output, rank(), size());
+    return completedWork([&] {
       const std::int64_t c = counts.front();
       const auto flat = input.view({-1});
       auto permuted = at::zeros({c * size()}, flat.options());
-      std::int64_t offset = 0;
+      const auto offsets = chunkOffsets(counts);
       for (int r = 0; r < size(); ++r) {
         const auto n = counts[static_cast<std::size_t>(r)];
-        const int j = r / localSize(), l = r % localSize();
-        permuted.narrow(0, (static_cast<std::int64_t>(l) * nodes() + j) * c, n).copy_(flat.narrow(0, offset, n));
-        offset += n;
+        permuted.narrow(0, permutedAt(r, c), n).copy_(flat.narrow(0, offsets[static_cast<std::size_t>(r)], n));
       }
       const ReduceOp inner = op == ReduceOp::kAverage ? ReduceOp::kSum : op;
       auto nodeSums = at::empty({c * nodes()}, flat.options());
@@ -76,13 +65,8 @@ class HierarchicalCommunicator final : public Communicator {
   Work allGather(at::Tensor input, at::Tensor output) override {
     checkContiguous(input, "allGather");
     checkContiguous(output, "allGather");
-    const auto counts = chunkSizes(output.numel(), size());
-    if (input.numel() != counts[static_cast<std::size_t>(rank())]) {
-      throw Error("allGather: input has " + std::to_string(input.numel()) + " elements, rank " +
-                  std::to_string(rank()) + " must send " + std::to_string(counts[static_cast<std::size_t>(rank())]) +
-                  " of the output's " + std::to_string(output.numel()));
-    }
-    return run([&] {
+    const auto counts = checkGatherSizes(input, output, rank(), size());
+    return completedWork([&] {
       const std::int64_t c = counts.front();
       auto mine = at::zeros({c}, input.options());
       mine.narrow(0, 0, input.numel()).copy_(input.view({-1}));
@@ -91,12 +75,10 @@ class HierarchicalCommunicator final : public Communicator {
       auto permuted = at::empty({c * size()}, input.options());
       local_->allGather(acrossNodes, permuted).wait();
       const auto flat = output.view({-1});
-      std::int64_t offset = 0;
+      const auto offsets = chunkOffsets(counts);
       for (int r = 0; r < size(); ++r) {
         const auto n = counts[static_cast<std::size_t>(r)];
-        const int j = r / localSize(), l = r % localSize();
-        flat.narrow(0, offset, n).copy_(permuted.narrow(0, (static_cast<std::int64_t>(l) * nodes() + j) * c, n));
-        offset += n;
+        flat.narrow(0, offsets[static_cast<std::size_t>(r)], n).copy_(permuted.narrow(0, permutedAt(r, c), n));
       }
     });
   }
@@ -106,7 +88,7 @@ class HierarchicalCommunicator final : public Communicator {
     if (root < 0 || root >= size()) {
       throw Error("broadcast: root " + std::to_string(root) + " is not a rank of 0.." + std::to_string(size() - 1));
     }
-    return run([&] {
+    return completedWork([&] {
       // Across nodes among the root's local rank, then inside every node from it.
       if (localRank() == root % localSize()) cross_->broadcast(tensor, root / localSize()).wait();
       local_->broadcast(tensor, root % localSize()).wait();
@@ -114,7 +96,7 @@ class HierarchicalCommunicator final : public Communicator {
   }
 
   Work barrier() override {
-    return run([&] {
+    return completedWork([&] {
       local_->barrier().wait();
       cross_->barrier().wait();
       local_->barrier().wait();
@@ -132,17 +114,10 @@ class HierarchicalCommunicator final : public Communicator {
     if (!t.is_contiguous()) throw Error(std::string(op) + ": tensor must be contiguous");
   }
 
-  // The two levels run one after the other on this thread; the Work carries the outcome.
-  template <typename Fn>
-  static Work run(Fn&& fn) {
-    std::promise<void> done;
-    try {
-      fn();
-      done.set_value();
-    } catch (...) {
-      done.set_exception(std::current_exception());
-    }
-    return Work(done.get_future().share());
+  // Where rank r's chunk (of c elements) lies in the layout that makes each local rank's share
+  // contiguous: local rank major, then node.
+  std::int64_t permutedAt(int r, std::int64_t c) const {
+    return (static_cast<std::int64_t>(r % localSize()) * nodes() + r / localSize()) * c;
   }
 
   std::unique_ptr<Communicator> local_;

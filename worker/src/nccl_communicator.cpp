@@ -300,7 +300,7 @@ class NcclCommunicator final : public Communicator {
   Work allGather(at::Tensor input, at::Tensor output) override {
     check(input, "allGather");
     check(output, "allGather");
-    sameType(input, output, "allGather");
+    checkSameType(input, output, "allGather");
     if (output.numel() != input.numel() * size()) {
       throw Error("allGather: the NCCL communicator needs equal chunks (output " +
                   std::to_string(output.numel()) + " = " + std::to_string(size()) + " x input " +
@@ -316,7 +316,7 @@ class NcclCommunicator final : public Communicator {
   Work reduceScatter(at::Tensor input, at::Tensor output, ReduceOp op) override {
     check(input, "reduceScatter");
     check(output, "reduceScatter");
-    sameType(input, output, "reduceScatter");
+    checkSameType(input, output, "reduceScatter");
     if (input.numel() != output.numel() * size()) {
       throw Error("reduceScatter: the NCCL communicator needs equal chunks (input " +
                   std::to_string(input.numel()) + " = " + std::to_string(size()) + " x output " +
@@ -345,7 +345,7 @@ class NcclCommunicator final : public Communicator {
   // A one-element all-reduce on a buffer allocated once; the host waits for it (bounded by the
   // watchdog's deadline), as a barrier must.
   Work barrier() override {
-    const Work issued = launch("barrier", {}, [&](ncclComm_t comm) {
+    const Work issued = launch("barrier", {}, /*hostWait=*/true, [&](ncclComm_t comm) {
       return ncclAllReduce(scratch_, scratch_, 1, ncclFloat32, ncclSum, comm, stream_);
     });
     issued.wait();  // throws when it failed
@@ -367,18 +367,17 @@ class NcclCommunicator final : public Communicator {
     if (!t.is_contiguous()) throw Error(std::string(op) + ": tensor must be contiguous");
   }
 
-  static void sameType(const at::Tensor& a, const at::Tensor& b, const char* op) {
-    if (a.scalar_type() != b.scalar_type()) {
-      throw Error(std::string(op) + ": input is " + c10::toString(a.scalar_type()) + " but output is " +
-                  c10::toString(b.scalar_type()));
-    }
-  }
 
   // Orders the operation after the compute stream's work so far, issues it on the
   // communication stream and hands it to the watchdog. The Work's wait() orders the compute
   // stream after it (no host wait) and throws when the operation failed.
+  // `hostWait`: wait() also blocks the host until the operation finished (barrier).
   template <typename Issue>
   Work launch(const char* op, std::vector<at::Tensor> tensors, Issue&& issue) {
+    return launch(op, std::move(tensors), /*hostWait=*/false, std::forward<Issue>(issue));
+  }
+  template <typename Issue>
+  Work launch(const char* op, std::vector<at::Tensor> tensors, bool hostWait, Issue&& issue) {
     const DeviceGuard onDevice(options_.device);
     auto operation = std::make_shared<Operation>();
     operation->name = op;
@@ -410,7 +409,6 @@ class NcclCommunicator final : public Communicator {
       shared_->inFlight.push_back(operation);
       shared_->changed.notify_all();
     }
-    const bool hostWait = std::strcmp(op, "barrier") == 0;
     return Work(
         [shared = shared_, operation, hostWait] {
           const DeviceGuard onDevice(shared->device);

@@ -17,7 +17,6 @@
 #include <climits>
 #include <csignal>
 #include <cstring>
-#include <future>
 #include <thread>
 
 #include "fsdp/common/error.hpp"
@@ -101,9 +100,8 @@ class ShmCommunicator final : public Communicator {
       // In place: this rank's chunk of the tensor is reduced where it lies, then gathered.
       const auto flat = tensor.view({-1});
       const auto counts = chunkSizes(flat.numel(), size());
-      std::int64_t offset = 0;
-      for (int r = 0; r < rank(); ++r) offset += counts[static_cast<std::size_t>(r)];
-      const auto mine = flat.narrow(0, offset, counts[static_cast<std::size_t>(rank())]);
+      const auto mine = flat.narrow(0, chunkOffsets(counts)[static_cast<std::size_t>(rank())],
+                                    counts[static_cast<std::size_t>(rank())]);
       reduceScatterBlocks(flat, mine, counts, op, "allReduce");
       allGatherBlocks(mine, flat, counts, "allReduce");
     });
@@ -112,13 +110,7 @@ class ShmCommunicator final : public Communicator {
   Work allGather(at::Tensor input, at::Tensor output) override {
     check(input, "allGather");
     check(output, "allGather");
-    sameType(input, output, "allGather");
-    const auto counts = chunkSizes(output.numel(), size());
-    if (input.numel() != counts[static_cast<std::size_t>(rank())]) {
-      throw Error("allGather: input has " + std::to_string(input.numel()) + " elements, rank " +
-                  std::to_string(rank()) + " must send " + std::to_string(counts[static_cast<std::size_t>(rank())]) +
-                  " of the output's " + std::to_string(output.numel()));
-    }
+    const auto counts = checkGatherSizes(input, output, rank(), size());
     return run("allGather", [&] {
       if (size() == 1) {
         output.view({-1}).copy_(input.view({-1}));
@@ -131,13 +123,7 @@ class ShmCommunicator final : public Communicator {
   Work reduceScatter(at::Tensor input, at::Tensor output, ReduceOp op) override {
     check(input, "reduceScatter");
     check(output, "reduceScatter");
-    sameType(input, output, "reduceScatter");
-    const auto counts = chunkSizes(input.numel(), size());
-    if (output.numel() != counts[static_cast<std::size_t>(rank())]) {
-      throw Error("reduceScatter: output has " + std::to_string(output.numel()) + " elements, rank " +
-                  std::to_string(rank()) + " receives " + std::to_string(counts[static_cast<std::size_t>(rank())]) +
-                  " of the input's " + std::to_string(input.numel()));
-    }
+    const auto counts = checkScatterSizes(input, output, rank(), size());
     return run("reduceScatter", [&] {
       if (size() == 1) {
         output.view({-1}).copy_(input.view({-1}));
@@ -204,27 +190,20 @@ class ShmCommunicator final : public Communicator {
                     "bfloat16, int8/32/64, uint8 are)");
     }
   }
-  static void sameType(const at::Tensor& a, const at::Tensor& b, const char* op) {
-    if (a.scalar_type() != b.scalar_type()) {
-      throw Error(std::string(op) + ": input is " + c10::toString(a.scalar_type()) + " but output is " +
-                  c10::toString(b.scalar_type()));
-    }
-  }
 
   // Runs the operation now, on this thread; the Work carries its outcome. A failure leaves the
   // group aborted for every rank.
   template <typename Fn>
   Work run(const char* op, Fn&& fn) {
-    std::promise<void> done;
-    try {
-      refuseIfAborted(op);
-      fn();
-      done.set_value();
-    } catch (const std::exception& e) {
-      giveUp(e.what());
-      done.set_exception(std::current_exception());
-    }
-    return Work(done.get_future().share());
+    return completedWork([&] {
+      try {
+        refuseIfAborted(op);
+        fn();
+      } catch (const std::exception& e) {
+        giveUp(e.what());
+        throw;
+      }
+    });
   }
 
   std::string who() const {
@@ -319,8 +298,7 @@ class ShmCommunicator final : public Communicator {
     const int n = size();
     const std::int64_t element = input.element_size();
     const std::int64_t block = static_cast<std::int64_t>(options_.slotBytes) / (element * n);
-    std::vector<std::int64_t> offsets(static_cast<std::size_t>(n), 0);
-    for (int i = 1; i < n; ++i) offsets[static_cast<std::size_t>(i)] = offsets[static_cast<std::size_t>(i - 1)] + counts[static_cast<std::size_t>(i - 1)];
+    const auto offsets = chunkOffsets(counts);
     const std::int64_t longest = *std::max_element(counts.begin(), counts.end());
     const auto type = input.scalar_type();
     const bool wide = type == at::kHalf || type == at::kBFloat16;
@@ -382,8 +360,7 @@ class ShmCommunicator final : public Communicator {
     const int n = size();
     const std::int64_t element = input.element_size();
     const std::int64_t block = static_cast<std::int64_t>(options_.slotBytes) / element;
-    std::vector<std::int64_t> offsets(static_cast<std::size_t>(n), 0);
-    for (int i = 1; i < n; ++i) offsets[static_cast<std::size_t>(i)] = offsets[static_cast<std::size_t>(i - 1)] + counts[static_cast<std::size_t>(i - 1)];
+    const auto offsets = chunkOffsets(counts);
     const std::int64_t longest = *std::max_element(counts.begin(), counts.end());
     const std::int64_t mine = counts[static_cast<std::size_t>(rank())];
     const bool inPlace = input.data_ptr() == bytesAt(output, offsets[static_cast<std::size_t>(rank())]);

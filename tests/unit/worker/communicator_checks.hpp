@@ -32,8 +32,8 @@ inline void checkEveryOperation(fw::Communicator& comm, int rank, int world, boo
     for (const std::int64_t n : {0L, 1L, 7L, 1001L, 10007L}) {
       SCOPED_TRACE(std::string(c10::toString(type)) + " n=" + std::to_string(n) + " rank " + std::to_string(rank));
       const auto counts = fw::chunkSizes(n, world);
-      std::int64_t offset = 0;
-      for (int r = 0; r < rank; ++r) offset += counts[static_cast<std::size_t>(r)];
+      const auto offsets = fw::chunkOffsets(counts);
+      const auto offset = offsets[static_cast<std::size_t>(rank)];
       const auto mine = counts[static_cast<std::size_t>(rank)];
       std::vector<at::Tensor> all;
       for (int r = 0; r < world; ++r) all.push_back(inputOf(r, n, type, 1));
@@ -68,8 +68,7 @@ inline void checkEveryOperation(fw::Communicator& comm, int rank, int world, boo
       comm.allGather(all[static_cast<std::size_t>(rank)].narrow(0, offset, mine).contiguous(), gathered).wait();
       at::Tensor expectGather = at::empty({n}, all[0].options());
       for (int r = 0; r < world; ++r) {
-        std::int64_t o = 0;
-        for (int q = 0; q < r; ++q) o += counts[static_cast<std::size_t>(q)];
+        const auto o = offsets[static_cast<std::size_t>(r)];
         expectGather.narrow(0, o, counts[static_cast<std::size_t>(r)]).copy_(all[static_cast<std::size_t>(r)].narrow(0, o, counts[static_cast<std::size_t>(r)]));
       }
       EXPECT_TRUE(at::equal(gathered, expectGather)) << "allGather";

@@ -45,6 +45,19 @@ class Work {
 // How `total` elements are split over `worldSize` ranks by allGather/reduceScatter: the
 // first total % worldSize ranks get one element more. Returns the element count per rank.
 std::vector<std::int64_t> chunkSizes(std::int64_t total, int worldSize);
+// Where each rank's chunk starts: the running sum of `counts`.
+std::vector<std::int64_t> chunkOffsets(const std::vector<std::int64_t>& counts);
+
+// The checks every backend makes before anything is sent, each throwing fsdp::Error that names
+// the operation: input and output of one dtype; allGather's input is this rank's chunk of the
+// output; reduceScatter's output is this rank's chunk of the input. Return chunkSizes().
+void checkSameType(const at::Tensor& a, const at::Tensor& b, const char* op);
+std::vector<std::int64_t> checkGatherSizes(const at::Tensor& input, const at::Tensor& output, int rank, int size);
+std::vector<std::int64_t> checkScatterSizes(const at::Tensor& input, const at::Tensor& output, int rank, int size);
+
+// Runs `fn` now, on this thread; the Work is complete and carries its exception, if any. For
+// backends whose operations run when issued (shared memory, hierarchical).
+Work completedWork(const std::function<void()>& fn);
 
 class Communicator {
  public:
