@@ -37,6 +37,8 @@ int main(int argc, char** argv) {
   std::size_t maxConnections = 0;
   bool allowPytorch = false;
   double idleTtl = 600;
+  std::size_t maxQueued = fsdp::rendezvous::ServerOptions{}.maxQueuedBytes;
+  std::size_t maxQueuedTotal = fsdp::rendezvous::ServerOptions{}.maxQueuedBytesTotal;
   app.add_option("--host", host, "Address to listen on (0.0.0.0 or :: for every interface)");
   app.add_option("--port", port, "TCP port (0 = a free one, printed on start)")
       ->check(CLI::Range(0, 65535));
@@ -49,6 +51,12 @@ int main(int argc, char** argv) {
   app.add_option("--run_idle_ttl,--run-idle-ttl", idleTtl,
                  "Seconds after which an idle run's keys are dropped")
       ->check(CLI::PositiveNumber);
+  app.add_option("--max_queued_bytes,--max-queued-bytes", maxQueued,
+                 "Bytes a connection may leave unread before the server stops reading it "
+                 "(0 = no limit)");
+  app.add_option("--max_queued_bytes_total,--max-queued-bytes-total", maxQueuedTotal,
+                 "Bytes left unread over all connections before only those with nothing unread "
+                 "are read (0 = no limit)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -62,6 +70,8 @@ int main(int argc, char** argv) {
         .host = host,
         .port = static_cast<std::uint16_t>(port),
         .token = tokenFile.empty() ? std::string() : readToken(tokenFile),
+        .maxQueuedBytes = maxQueued,
+        .maxQueuedBytesTotal = maxQueuedTotal,
         .maxConnections = maxConnections,
         .runIdleTtl = std::chrono::milliseconds(static_cast<long long>(idleTtl * 1000))};
     if (allowPytorch) options.allowPytorchClients = true;

@@ -32,6 +32,13 @@ struct ServerOptions {
   std::optional<bool> allowPytorchClients;
   // The run whose keys PyTorch clients see.
   std::string pytorchRunId = "default";
+  // Bytes a connection may have been sent and not read (replies, pushed events). Over this the
+  // server stops reading the connection until its client reads (back-pressure); a client that
+  // reads nothing for frameTimeout meanwhile is closed, logged. Frames pushed without a request
+  // close a connection (not a proxy's) that lets 4 x this accumulate. 0 = unbounded.
+  std::size_t maxQueuedBytes = 4u << 20;
+  // The same over every connection: past it, only connections with nothing unread are read.
+  std::size_t maxQueuedBytesTotal = 256u << 20;
   // Connections beyond this many are closed at once (logged); 0 = no limit.
   std::size_t maxConnections = 0;
   // A run with no connection and no activity for this long is dropped with its keys.
@@ -45,6 +52,10 @@ struct ServerStats {
   std::uint64_t requestsServed = 0;
   std::uint64_t protocolErrors = 0;
   std::uint64_t authFailures = 0;
+  std::uint64_t slowReadersClosed = 0;  // closed for reading nothing over maxQueuedBytes
+  std::uint64_t connectionsStalled = 0;  // not read now: their clients do not read replies
+  std::uint64_t queuedBytes = 0;         // replies and events written to no socket yet
+  std::uint64_t queuedBytesPeak = 0;     // the most queuedBytes has been
   std::uint64_t runs = 0;  // runs held now
 };
 

@@ -9,7 +9,7 @@
 
 #include "fsdp/common/error.hpp"
 #include "fsdp/common/log.hpp"
-#include "session_io.hpp"
+#include "../session_io.hpp"
 
 namespace fsdp::rendezvous {
 
@@ -249,7 +249,8 @@ awaitable<void> servePytorchDialect(tcp::socket& socket, std::vector<std::uint8_
                                     KvStore& store, const Limits& limits,
                                     std::chrono::milliseconds frameTimeout,
                                     const std::function<bool()>& closed,
-                                    const std::function<void(std::vector<std::uint8_t>)>& send) {
+                                    const std::function<void(std::vector<std::uint8_t>)>& send,
+    const std::function<boost::asio::awaitable<bool>()>& room) {
   FieldReader in(socket, limits);
   const std::uint8_t first = initial.at(0);
   in.pushBack(std::vector<std::uint8_t>(initial.begin() + 1, initial.end()));
@@ -288,6 +289,7 @@ awaitable<void> servePytorchDialect(tcp::socket& socket, std::vector<std::uint8_
       code = *opcode;
       opcode.reset();
     } else {
+      if (!co_await room()) co_return;  // a client that reads none of its replies
       code = co_await in.opcode();
     }
     if (closed()) co_return;

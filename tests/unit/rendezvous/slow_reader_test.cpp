@@ -1,0 +1,166 @@
+// Clients that send requests and never read the replies: the server stops reading them once
+// their replies pass the cap (back-pressure), holds a bounded amount for all of them together,
+// closes one that reads nothing for the frame timeout, and keeps serving everyone else.
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <thread>
+
+#include "fsdp/rendezvous/store_client.hpp"
+#include "fsdp/rendezvous/store_server.hpp"
+#include "raw_socket.hpp"
+
+namespace fsdp::rendezvous {
+namespace {
+
+using namespace std::chrono_literals;
+using Bytes = std::vector<std::uint8_t>;
+
+// PyTorch 1.13's TCPStore requests (opcode, then u64-length strings), which need no handshake.
+Bytes str(const std::string& s) {
+  Bytes out;
+  for (int i = 0; i < 8; ++i) out.push_back(static_cast<std::uint8_t>(s.size() >> (8 * i)));
+  out.insert(out.end(), s.begin(), s.end());
+  return out;
+}
+
+Bytes pytorchSet(const std::string& key, const std::string& value) {
+  Bytes out{0};
+  for (const auto& f : {str(key), str(value)}) out.insert(out.end(), f.begin(), f.end());
+  return out;
+}
+
+Bytes pytorchGets(const std::string& key, int times) {
+  Bytes one{2};
+  const auto k = str(key);
+  one.insert(one.end(), k.begin(), k.end());
+  Bytes out;
+  for (int i = 0; i < times; ++i) out.insert(out.end(), one.begin(), one.end());
+  return out;
+}
+
+// A connection whose receive buffer is small, so the kernel absorbs little of what it is sent.
+int smallReceiveBufferConnection(std::uint16_t port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  const int size = 4096;
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &size, sizeof(size));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+void sendAll(int fd, const Bytes& bytes) {
+  std::size_t sent = 0;
+  while (sent < bytes.size()) {
+    const auto n = ::send(fd, bytes.data() + sent, bytes.size() - sent, MSG_NOSIGNAL);
+    ASSERT_GT(n, 0) << "send failed";
+    sent += static_cast<std::size_t>(n);
+  }
+}
+
+// Polls the server's counters until `done` holds (the server thread updates them), up to 30 s.
+template <typename Pred>
+ServerStats waitForStats(StoreServer& server, Pred done) {
+  const auto deadline = std::chrono::steady_clock::now() + 30s;
+  for (;;) {
+    const auto stats = server.stats();
+    if (done(stats) || std::chrono::steady_clock::now() > deadline) return stats;
+    std::this_thread::sleep_for(5ms);
+  }
+}
+
+TEST(SlowReaders, HundredClientsThatNeverReadAreStalledAndHoldABoundedAmount) {
+  constexpr std::size_t kCap = 1u << 20;
+  constexpr std::size_t kTotalCap = 32u << 20;
+  constexpr std::size_t kValue = 256u << 10;
+  constexpr int kClients = 100;
+  constexpr int kGetsEach = 60;  // 15 MiB asked by each: 1.5 GB without the caps
+  StoreServer server({.frameTimeout = 3600s,  // stalled, never closed, during this test
+                      .maxQueuedBytes = kCap,
+                      .maxQueuedBytesTotal = kTotalCap});
+  const int writer = fsdp::testing::connectLoopback(server.port());
+  ASSERT_GE(writer, 0);
+  sendAll(writer, pytorchSet("big", std::string(kValue, 'v')));
+
+  std::vector<int> readers;
+  for (int c = 0; c < kClients; ++c) {
+    const int fd = smallReceiveBufferConnection(server.port());
+    ASSERT_GE(fd, 0);
+    sendAll(fd, pytorchGets("big", kGetsEach));
+    readers.push_back(fd);
+  }
+  const auto stalled = waitForStats(
+      server, [&](const ServerStats& s) { return s.connectionsStalled == kClients; });
+  ASSERT_EQ(stalled.connectionsStalled, static_cast<std::uint64_t>(kClients))
+      << "every client that reads nothing is not read either";
+  // Past the total cap only connections with nothing unread are read, and each adds one reply.
+  const std::size_t bound = kTotalCap + kClients * (kValue + 64);
+  EXPECT_LE(stalled.queuedBytesPeak, bound);
+  EXPECT_GT(stalled.queuedBytes, 0u);
+
+  // Everyone else is served meanwhile: our protocol and PyTorch's.
+  auto client = StoreClient::connect("127.0.0.1", server.port(), {.timeout = 10s});
+  client->set("k", "v");
+  EXPECT_EQ(client->get("k", 5s), "v");
+  const int pytorch = fsdp::testing::connectLoopback(server.port());
+  sendAll(pytorch, pytorchGets("k", 1));
+  const auto reply = fsdp::testing::readUpTo(pytorch, 9);
+  EXPECT_EQ(reply, str("v"));
+  ::close(pytorch);
+
+  // A stalled client that starts reading gets every reply, in order and whole.
+  const int first = readers.front();
+  readers.erase(readers.begin());
+  std::size_t got = 0;
+  const std::size_t want = kGetsEach * (8 + kValue);
+  std::vector<std::uint8_t> buf(1 << 16);
+  while (got < want) {
+    const auto n = ::read(first, buf.data(), std::min(buf.size(), want - got));
+    ASSERT_GT(n, 0) << "after " << got << " of " << want << " bytes";
+    got += static_cast<std::size_t>(n);
+  }
+  ::close(first);
+
+  for (const int fd : readers) ::close(fd);
+  ::close(writer);
+  const auto after =
+      waitForStats(server, [](const ServerStats& s) {
+        return s.queuedBytes == 0 && s.connectionsStalled == 0;
+      });
+  EXPECT_EQ(after.queuedBytes, 0u) << "the replies of closed connections are freed";
+  EXPECT_EQ(after.connectionsStalled, 0u);
+}
+
+TEST(SlowReaders, AClientThatReadsNothingForTheFrameTimeoutIsClosed) {
+  StoreServer server({.frameTimeout = 300ms, .maxQueuedBytes = 64u << 10});
+  const int writer = fsdp::testing::connectLoopback(server.port());
+  sendAll(writer, pytorchSet("big", std::string(64u << 10, 'v')));
+  std::vector<int> readers;
+  for (int c = 0; c < 3; ++c) {
+    const int fd = smallReceiveBufferConnection(server.port());
+    sendAll(fd, pytorchGets("big", 400));  // 25 MiB: more than the kernel buffers
+    readers.push_back(fd);
+  }
+  const auto stats =
+      waitForStats(server, [](const ServerStats& s) { return s.slowReadersClosed == 3; });
+  EXPECT_EQ(stats.slowReadersClosed, 3u);
+  for (const int fd : readers) {
+    EXPECT_TRUE(fsdp::testing::closedWithin(fd, 10s));
+    ::close(fd);
+  }
+  auto client = StoreClient::connect("127.0.0.1", server.port(), {.timeout = 10s});
+  client->set("k", "v");
+  EXPECT_EQ(client->get("k", 5s), "v");
+  ::close(writer);
+}
+
+}  // namespace
+}  // namespace fsdp::rendezvous
