@@ -90,7 +90,60 @@ std::int64_t KvStore::append(const std::string& key, const std::string& suffix) 
 }
 
 bool KvStore::containsAll(const std::vector<std::string>& keys) const {
-  return std::all_of(keys.begin(), keys.end(), [this](const auto& k) { return data_.contains(k); });
+  return std::all_of(keys.begin(), keys.end(),
+                     [this](const auto& k) { return data_.contains(k) || queues_.contains(k); });
+}
+
+void KvStore::queuePush(const std::string& key, std::string value) {
+  auto [it, created] = queues_.try_emplace(key);
+  if (created) bytes_ += key.size();
+  bytes_ += value.size();
+  it->second.push_back(std::move(value));
+  const auto watchers = queueWatchers_.find(key);
+  if (watchers == queueWatchers_.end()) return;
+  auto& list = watchers->second;
+  for (std::size_t i = 0; i < list.size(); ++i) {
+    if (!list[i].second()) continue;
+    queueWatchKeys_.erase(list[i].first);
+    list.erase(list.begin() + static_cast<std::ptrdiff_t>(i));
+    break;
+  }
+  if (list.empty()) queueWatchers_.erase(watchers);
+}
+
+std::pair<std::int64_t, std::optional<std::string>> KvStore::queuePop(const std::string& key) {
+  const auto it = queues_.find(key);
+  if (it == queues_.end()) return {0, std::nullopt};
+  const auto length = static_cast<std::int64_t>(it->second.size());
+  std::string value = std::move(it->second.front());
+  it->second.pop_front();
+  bytes_ -= value.size();
+  if (it->second.empty()) {
+    bytes_ -= key.size();
+    queues_.erase(it);
+  }
+  return {length, std::move(value)};
+}
+
+std::int64_t KvStore::queueLength(const std::string& key) const {
+  const auto it = queues_.find(key);
+  return it == queues_.end() ? 0 : static_cast<std::int64_t>(it->second.size());
+}
+
+KvStore::WatchId KvStore::watchQueue(const std::string& key, std::function<bool()> fire) {
+  const WatchId id = nextId_++;
+  queueWatchers_[key].emplace_back(id, std::move(fire));
+  queueWatchKeys_.emplace(id, key);
+  return id;
+}
+
+void KvStore::unwatchQueue(WatchId id) {
+  const auto key = queueWatchKeys_.find(id);
+  if (key == queueWatchKeys_.end()) return;
+  const auto list = queueWatchers_.find(key->second);
+  std::erase_if(list->second, [id](const auto& w) { return w.first == id; });
+  if (list->second.empty()) queueWatchers_.erase(list);
+  queueWatchKeys_.erase(key);
 }
 
 std::vector<std::string> KvStore::keys() const {
@@ -119,6 +172,16 @@ std::size_t KvStore::removePrefix(const std::string& prefix) {
     auto node = data_.extract(it++);
     bytes_ -= node.key().size() + node.mapped().value.size();
     erased(node.key(), node.mapped().value);
+    ++removed;
+  }
+  for (auto it = queues_.begin(); it != queues_.end();) {
+    if (!it->first.starts_with(prefix)) {
+      ++it;
+      continue;
+    }
+    bytes_ -= it->first.size();
+    for (const auto& item : it->second) bytes_ -= item.size();
+    it = queues_.erase(it);
     ++removed;
   }
   return removed;

@@ -5,9 +5,12 @@
 
 #include <memory>
 #include <optional>
+#include <set>
 #include <string_view>
 
 #include "fsdp/common/error.hpp"
+#include <boost/asio/experimental/awaitable_operators.hpp>
+
 #include "fsdp/common/log.hpp"
 #include "../session_io.hpp"
 
@@ -16,6 +19,7 @@ namespace fsdp::rendezvous {
 namespace asio = boost::asio;
 using asio::awaitable;
 using asio::ip::tcp;
+using namespace asio::experimental::awaitable_operators;
 
 namespace {
 
@@ -43,13 +47,36 @@ enum class PtOp {
   kListKeys
 };
 
-std::optional<PtOp> legacyOp(std::uint8_t code) {
-  // 1.13 (0-8) and the 2.0-era additions (9-12) that kept its numbering.
-  static constexpr PtOp kTable[] = {
-      PtOp::kSet,      PtOp::kCompareSet, PtOp::kGet,       PtOp::kAdd,    PtOp::kCheck,
-      PtOp::kWait,     PtOp::kNumKeys,    PtOp::kWatchKey,  PtOp::kDelete, PtOp::kAppend,
-      PtOp::kMultiGet, PtOp::kMultiSet,   PtOp::kCancelWait};
-  if (code < std::size(kTable)) return kTable[code];
+// Clients without VALIDATE speak one of two numberings, the same up to 6: PyTorch 1.13's
+// (7 WATCH_KEY, 8 DELETE_KEY) and 2.1's, which dropped WATCH_KEY (7 DELETE_KEY, 8 APPEND,
+// 9 MULTI_GET, 10 MULTI_SET, 11 CANCEL_WAIT). A connection starts undecided; what it sends
+// decides (see decideLegacy), and from then on its table is fixed.
+enum class Dialect { kUndecided, kV113, kV21, kCurrent };
+
+const char* dialectName(Dialect d) {
+  switch (d) {
+    case Dialect::kUndecided:
+      return "PyTorch 1.13 or 2.1";
+    case Dialect::kV113:
+      return "PyTorch 1.13";
+    case Dialect::kV21:
+      return "PyTorch 2.1";
+    case Dialect::kCurrent:
+      return "PyTorch 2.2+";
+  }
+  return "?";
+}
+
+std::optional<PtOp> legacyOp(Dialect dialect, std::uint8_t code) {
+  static constexpr PtOp kCommon[] = {PtOp::kSet,   PtOp::kCompareSet, PtOp::kGet,    PtOp::kAdd,
+                                     PtOp::kCheck, PtOp::kWait,       PtOp::kNumKeys};
+  static constexpr PtOp kAfter113[] = {PtOp::kWatchKey, PtOp::kDelete};
+  static constexpr PtOp kAfter21[] = {PtOp::kDelete, PtOp::kAppend, PtOp::kMultiGet,
+                                      PtOp::kMultiSet, PtOp::kCancelWait};
+  if (code < std::size(kCommon)) return kCommon[code];
+  const std::size_t rest = code - std::size(kCommon);
+  if (dialect == Dialect::kV113 && rest < std::size(kAfter113)) return kAfter113[rest];
+  if (dialect == Dialect::kV21 && rest < std::size(kAfter21)) return kAfter21[rest];
   return std::nullopt;
 }
 
@@ -119,6 +146,38 @@ class FieldReader {
                          "a TCPStore request");
     }
   }
+  // The next u64 without consuming it.
+  awaitable<std::uint64_t> peekU64() {
+    std::array<std::uint8_t, 8> b{};
+    co_await bytes(b.data(), b.size());
+    pushBack(std::vector<std::uint8_t>(b.begin(), b.end()));
+    std::uint64_t v = 0;
+    for (int i = 0; i < 8; ++i) v |= std::uint64_t{b[i]} << (8 * i);
+    co_return v;
+  }
+  // Whether more than `n` bytes arrive with the request: what is buffered and what the socket
+  // holds now or within a moment (a client writes each request in one write), consuming none.
+  awaitable<bool> bytesFollow(std::uint64_t n) {
+    if (n > limits_.maxKeyBytes + 8) co_return false;
+    std::vector<std::uint8_t> head(n);  // the request so far arrives whole first
+    co_await bytes(head.data(), n);
+    pushBack(head);
+    for (int round = 0; round < 2; ++round) {
+      boost::system::error_code ec;
+      std::vector<std::uint8_t> more(socket_.available(ec));
+      if (!more.empty()) {
+        const auto got = socket_.read_some(asio::buffer(more), ec);
+        more.resize(got);
+        pending_.insert(pending_.end(), more.begin(), more.end());
+      }
+      if (pending_.size() > n) co_return true;
+      if (round == 1) break;
+      asio::steady_timer timer(socket_.get_executor(), std::chrono::milliseconds(50));
+      co_await (socket_.async_wait(tcp::socket::wait_read, asio::as_tuple(asio::use_awaitable)) ||
+                timer.async_wait(asio::as_tuple(asio::use_awaitable)));
+    }
+    co_return false;
+  }
   awaitable<std::uint64_t> u64() {
     std::array<std::uint8_t, 8> b{};
     co_await bytes(b.data(), b.size());
@@ -163,16 +222,22 @@ class FieldReader {
   std::vector<std::uint8_t> pending_;
 };
 
-// The connection's one outstanding WAIT, answered from the event loop when its keys exist.
+// The connection's one outstanding WAIT. As c10d's server counts it: answered once every key
+// missing when it came has been written since (set, add, append, compare_set, multi_set; a
+// delete does not count) or, for a queue, pushed to; a key set and deleted again before the
+// answer still counts as written.
 struct PendingWait {
-  std::vector<std::string> keys;
-  KvStore::WatchId watch = 0;
+  std::uint64_t id = 0;                // tells a stale callback of an earlier wait from this one
+  std::set<std::string> missing;       // not written since the WAIT
+  std::vector<KvStore::WatchId> observers;
+  std::vector<KvStore::WatchId> queueWatches;
 };
 
 struct ConnectionState {
   KvStore& store;
   std::function<void(std::vector<std::uint8_t>)> send;
   std::optional<PendingWait> wait;
+  std::uint64_t waits = 0;  // WAITs so far: the next one's id
   bool alive = true;
   std::vector<KvStore::WatchId> observers;  // WATCH_KEY registrations, until the connection ends
 };
@@ -210,29 +275,49 @@ std::vector<std::uint8_t> watchUpdate(const KeyEvent& event) {
   return out.take();
 }
 
+void release(KvStore& store, const PendingWait& wait) {
+  for (const auto id : wait.observers) store.unobserve(id);
+  for (const auto id : wait.queueWatches) store.unwatchQueue(id);
+}
+
 void cancelWait(ConnectionState& state) {
   if (state.wait) {
-    state.store.unwatch(state.wait->watch);
+    release(state.store, *state.wait);
     state.wait.reset();
   }
 }
 
-// Watches the pending wait's keys; when one is written, re-checks from the event loop (a
-// watch callback must not touch the store) and answers or watches again.
-void armWait(const std::shared_ptr<ConnectionState>& state, const asio::any_io_executor& executor) {
+// `key` of wait `id` was written (or pushed to): when it was the last one missing, answers
+// STOP_WAITING and returns true. Runs inside the store's callbacks: the watches are released
+// from the event loop, later.
+bool keyWritten(const std::weak_ptr<ConnectionState>& weak, std::uint64_t id,
+                const std::string& key, const asio::any_io_executor& executor) {
+  const auto s = weak.lock();
+  if (!s || !s->alive || !s->wait || s->wait->id != id) return false;
+  if (s->wait->missing.erase(key) == 0 || !s->wait->missing.empty()) return false;
+  asio::post(executor, [s, wait = std::move(*s->wait)] { release(s->store, wait); });
+  s->wait.reset();
+  s->send({0x00});  // STOP_WAITING
+  return true;
+}
+
+// Parks a WAIT on `keys`, of which some are missing now.
+void armWait(const std::shared_ptr<ConnectionState>& state, std::vector<std::string> keys,
+             const asio::any_io_executor& executor) {
+  PendingWait wait{.id = ++state->waits};
+  for (auto& key : keys) {
+    if (!state->store.containsAll({key})) wait.missing.insert(std::move(key));
+  }
   std::weak_ptr<ConnectionState> weak = state;
-  state->wait->watch = state->store.watch(state->wait->keys, [weak, executor] {
-    asio::post(executor, [weak, executor] {
-      const auto s = weak.lock();
-      if (!s || !s->alive || !s->wait) return;
-      if (s->store.containsAll(s->wait->keys)) {
-        s->wait.reset();
-        s->send({0x00});  // STOP_WAITING
-      } else {
-        armWait(s, executor);
-      }
-    });
-  });
+  for (const auto& key : wait.missing) {
+    wait.observers.push_back(
+        state->store.observe(key, [weak, id = wait.id, key, executor](const KeyEvent& event) {
+          if (event.kind != ChangeKind::kDeleted) keyWritten(weak, id, key, executor);
+        }));
+    wait.queueWatches.push_back(state->store.watchQueue(
+        key, [weak, id = wait.id, key, executor] { return keyWritten(weak, id, key, executor); }));
+  }
+  state->wait = std::move(wait);
 }
 
 void checkRunBytes(const KvStore& store, const Limits& limits, std::uint64_t adding) {
@@ -241,6 +326,20 @@ void checkRunBytes(const KvStore& store, const Limits& limits, std::uint64_t add
                         std::to_string(store.bytesHeld() + adding) + " bytes, over the limit of " +
                         std::to_string(limits.maxRunBytes));
   }
+}
+
+// Which numbering an undecided connection speaks, from its opcode `code` (read) and what
+// follows: 7 is 1.13's WATCH_KEY only as a watch connection's first request, 2.1's
+// DELETE_KEY otherwise; 9-11 exist in 2.1 only; 8 is 1.13's DELETE_KEY (key only; the client
+// then waits for the reply) or 2.1's APPEND (key and value, sent in one write): told apart by
+// whether bytes follow the key at once. Undecided for 0-6 and anything unknown.
+awaitable<Dialect> decideLegacy(FieldReader& in, std::uint8_t code, bool sentRequest) {
+  if (code == 7) co_return sentRequest ? Dialect::kV21 : Dialect::kV113;
+  if (code >= 9 && code <= 11) co_return Dialect::kV21;
+  if (code != 8) co_return Dialect::kUndecided;
+  // Look past the key without consuming it.
+  const auto keyLength = co_await in.peekU64();
+  co_return (co_await in.bytesFollow(8 + keyLength)) ? Dialect::kV21 : Dialect::kV113;
 }
 
 }  // namespace
@@ -267,7 +366,8 @@ awaitable<void> servePytorchDialect(tcp::socket& socket, std::vector<std::uint8_
 
   // Tell the dialects apart: VALIDATE (00 CE F7 85 3C) starts the current one; anything else
   // is 1.13's, whose 00 is SET (a key length of ~1 GiB would be needed to look like VALIDATE).
-  bool current = false;
+  Dialect dialect = Dialect::kUndecided;
+  bool sentRequest = false;  // anything before: 1.13 sends WATCH_KEY on a connection of its own
   std::optional<std::uint8_t> opcode = first;
   if (first == 0) {
     in.startRequest(SteadyTimePoint::clock::now() + frameTimeout);
@@ -276,7 +376,7 @@ awaitable<void> servePytorchDialect(tcp::socket& socket, std::vector<std::uint8_
     const std::uint32_t magic = std::uint32_t{next[0]} | std::uint32_t{next[1]} << 8 |
                                 std::uint32_t{next[2]} << 16 | std::uint32_t{next[3]} << 24;
     if (magic == kValidateMagic) {
-      current = true;
+      dialect = Dialect::kCurrent;
       opcode.reset();
     } else {
       in.pushBack(next);
@@ -294,10 +394,23 @@ awaitable<void> servePytorchDialect(tcp::socket& socket, std::vector<std::uint8_
     }
     if (closed()) co_return;
     in.startRequest(SteadyTimePoint::clock::now() + frameTimeout);
-    const auto op = current ? currentOp(code) : legacyOp(code);
+    if (dialect == Dialect::kUndecided) {
+      const auto decided = co_await decideLegacy(in, code, sentRequest);
+      if (decided != Dialect::kUndecided) {
+        dialect = decided;
+        log::debug("store server: a TCPStore client speaks {}'s protocol (opcode {})",
+                   dialectName(dialect), code);
+      }
+    }
+    sentRequest = true;
+    const bool current = dialect == Dialect::kCurrent;
+    // Undecided here means opcodes 0-6, the same in both.
+    const auto op = current ? currentOp(code)
+                            : legacyOp(dialect == Dialect::kUndecided ? Dialect::kV113 : dialect,
+                                       code);
     if (!op) {
       throw ProtocolError("unknown TCPStore opcode " + std::to_string(code) + " (" +
-                          (current ? "current" : "1.13") + " dialect)");
+                          dialectName(dialect) + " protocol)");
     }
     // A 1.13 client that timed out in WAIT sends its next request without cancelling: drop
     // the stale wait rather than answer it later and desynchronise the client.
@@ -343,8 +456,7 @@ awaitable<void> servePytorchDialect(tcp::socket& socket, std::vector<std::uint8_
         if (store.containsAll(keys)) {
           out.u8(0);
         } else {
-          state->wait = PendingWait{std::move(keys), 0};
-          armWait(state, executor);
+          armWait(state, std::move(keys), executor);
         }
         break;
       }
@@ -418,11 +530,22 @@ awaitable<void> servePytorchDialect(tcp::socket& socket, std::vector<std::uint8_
         out.u8(static_cast<std::uint8_t>(WatchReply::kKeyCallbackRegistered));
         break;
       }
-      case PtOp::kQueuePush:
-      case PtOp::kQueuePop:
+      case PtOp::kQueuePush: {
+        const auto key = co_await in.key();
+        auto value = co_await in.value();
+        checkRunBytes(store, limits, key.size() + value.size());
+        store.queuePush(key, std::move(value));
+        break;  // no reply
+      }
+      case PtOp::kQueuePop: {
+        auto [length, value] = store.queuePop(co_await in.key());
+        out.u64(static_cast<std::uint64_t>(length));
+        if (value) out.str(*value);
+        break;
+      }
       case PtOp::kQueueLen:
-        throw ProtocolError("TCPStore opcode " + std::to_string(code) +
-                            " (queues) is not supported by this server");
+        out.u64(static_cast<std::uint64_t>(store.queueLength(co_await in.key())));
+        break;
     }
     auto reply = out.take();
     if (!reply.empty()) send(std::move(reply));

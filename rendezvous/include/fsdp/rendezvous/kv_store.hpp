@@ -5,6 +5,7 @@
 // event-loop thread.
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <optional>
@@ -41,9 +42,17 @@ class KvStore {
   // Appends to the value (absent = empty); returns the new length.
   std::int64_t append(const std::string& key, const std::string& suffix);
   bool contains(const std::string& key) const { return data_.contains(key); }
+  // Every key holds a value or a non-empty queue (c10d: a queued item makes a key present for
+  // WAIT and CHECK).
   bool containsAll(const std::vector<std::string>& keys) const;
   bool remove(const std::string& key);
-  // Removes every key that starts with `prefix`; returns how many.
+  // c10d's queues (PyTorch 2.8+): FIFO lists of values, one per key, beside the values (the
+  // same key may hold both). A push wakes one queue watcher (watchQueue); pop never waits and
+  // returns the length before it with the item, if any.
+  void queuePush(const std::string& key, std::string value);
+  std::pair<std::int64_t, std::optional<std::string>> queuePop(const std::string& key);
+  std::int64_t queueLength(const std::string& key) const;
+  // Removes every key (and queue) that starts with `prefix`; returns how many.
   std::size_t removePrefix(const std::string& prefix);
   std::size_t size() const { return data_.size(); }
   std::vector<std::string> keys() const;
@@ -68,6 +77,11 @@ class KvStore {
   // not touch the store. Returns an id for unwatch().
   WatchId watch(const std::vector<std::string>& keys, std::function<void()> fire);
   void unwatch(WatchId id);
+  // Calls `fire` on the next push onto `key`'s queue, oldest watcher first, until one returns
+  // true (it consumed the push); one that returns true is removed. The callback must not touch
+  // the store. Remove with unwatchQueue().
+  WatchId watchQueue(const std::string& key, std::function<bool()> fire);
+  void unwatchQueue(WatchId id);
   // Calls `fire` once, when the integer at `key` first reaches `target` (through add()).
   // Only waiters whose threshold is crossed wake: a barrier of N ranks costs O(N log N), not
   // N wake-ups per add.
@@ -113,6 +127,11 @@ class KvStore {
   // Counter waiters per key, by threshold; a fired or removed id leaves watches_ too.
   std::unordered_map<std::string, std::multimap<std::int64_t, WatchId>> counterWatches_;
   std::unordered_map<std::string, std::vector<WatchId>> observersByKey_;
+  std::unordered_map<std::string, std::deque<std::string>> queues_;  // never empty
+  // Queue watchers per key, oldest first, and each id's key.
+  std::unordered_map<std::string, std::vector<std::pair<WatchId, std::function<bool()>>>>
+      queueWatchers_;
+  std::unordered_map<WatchId, std::string> queueWatchKeys_;
   std::map<WatchId, Observer> observers_;
   void fireCounter(const std::string& key, std::int64_t value);
   WatchId nextId_ = 1;

@@ -77,9 +77,11 @@ enum class Status : std::uint8_t { kOk = 0, kTimeout = 1, kError = 2 };
 // closes that connection only.
 struct Limits {
   std::uint32_t maxBodyBytes = 64u << 20;
-  std::uint32_t maxKeyBytes = 4096;
+  // Keys and key counts as large as PyTorch's own server takes (its libuv backend: 8 KiB,
+  // 131,072), so that no client it serves is refused here.
+  std::uint32_t maxKeyBytes = 8192;
   std::uint32_t maxValueBytes = 32u << 20;
-  std::uint32_t maxKeysPerRequest = 65536;
+  std::uint32_t maxKeysPerRequest = 131072;
   std::uint64_t maxRunBytes = 1ull << 30;  // keys + values held per run
 };
 
