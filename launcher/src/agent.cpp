@@ -1,27 +1,28 @@
+// The elastic agent's state machine: rendezvous, rounds, the workers' lifecycle and stop
+// signals (class Agent), and runAgent, its entry point.
 #include "fsdp/launcher/agent.hpp"
 
-#include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
-#include <sys/signalfd.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
-#include <ctime>
+#include <chrono>
 #include <filesystem>
-#include <fstream>
-#include <map>
-#include <nlohmann/json.hpp>
-#include <sstream>
+#include <memory>
+#include <optional>
+#include <string>
 #include <variant>
+#include <vector>
 
+#include "agent_support.hpp"
 #include "fsdp/common/deadline.hpp"
 #include "fsdp/common/error.hpp"
 #include "fsdp/common/log.hpp"
-#include "fsdp/common/shm.hpp"
 #include "fsdp/common/process.hpp"
 #include "fsdp/common/sha256.hpp"
+#include "fsdp/common/shm.hpp"
 #include "fsdp/rendezvous/rdzv_client.hpp"
 #include "fsdp/rendezvous/store_proxy.hpp"
 #include "fsdp/rendezvous/store_server.hpp"
@@ -32,97 +33,14 @@ namespace fsdp::launcher {
 namespace {
 
 using namespace std::chrono_literals;
+using detail::readToken;
+using detail::ScratchDir;
+using detail::SignalFd;
+using detail::utcNow;
+using detail::writeToken;
 using rendezvous::Assignment;
 using rendezvous::EventKind;
 using Clock = Deadline::Clock;
-
-constexpr int kDefaultC10dPort = 29400;
-constexpr int kDefaultStaticPort = 29500;
-
-// Owns the signalfd and the blocked mask of the signals the agent handles.
-class SignalFd {
- public:
-  explicit SignalFd(const std::vector<int>& handled) {
-    sigemptyset(&mask_);
-    sigaddset(&mask_, SIGCHLD);
-    for (int sig : handled) sigaddset(&mask_, sig);
-    if (::sigprocmask(SIG_BLOCK, &mask_, &previous_) != 0) throwErrno("sigprocmask", errno);
-    fd_ = ::signalfd(-1, &mask_, SFD_CLOEXEC | SFD_NONBLOCK);
-    if (fd_ < 0) throwErrno("signalfd", errno);
-  }
-  ~SignalFd() {
-    ::close(fd_);
-    ::sigprocmask(SIG_SETMASK, &previous_, nullptr);
-  }
-  SignalFd(const SignalFd&) = delete;
-  SignalFd& operator=(const SignalFd&) = delete;
-
-  int fd() const { return fd_; }
-  // The signals that arrived (without waiting).
-  std::vector<int> take() {
-    std::vector<int> out;
-    signalfd_siginfo info{};
-    while (::read(fd_, &info, sizeof(info)) == sizeof(info)) {
-      out.push_back(static_cast<int>(info.ssi_signo));
-    }
-    return out;
-  }
-
- private:
-  sigset_t mask_{};
-  sigset_t previous_{};
-  int fd_ = -1;
-};
-
-// A private directory, removed with the object.
-class ScratchDir {
- public:
-  ScratchDir() {
-    std::string dir = (std::filesystem::temp_directory_path() / "fsdprun-XXXXXX").string();
-    if (::mkdtemp(dir.data()) == nullptr) throwErrno("mkdtemp", errno);
-    path_ = dir;
-  }
-  ~ScratchDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  ScratchDir(const ScratchDir&) = delete;
-  ScratchDir& operator=(const ScratchDir&) = delete;
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
-
-// Writes a fresh job token into `dir`/token, readable by this user only. Workers get the path
-// (FSDPRUN_TOKEN_FILE), never the token in their environment or command line.
-std::string writeToken(const std::string& dir, const std::string& token) {
-  const std::string path = dir + "/token";
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  if (fd < 0) throwErrno("creating " + path, errno);
-  const bool ok = ::write(fd, token.data(), token.size()) == static_cast<ssize_t>(token.size());
-  ::close(fd);
-  if (!ok) throwErrno("writing " + path, errno);
-  return path;
-}
-
-std::string readToken(const std::string& path, const std::string& where) {
-  std::ifstream in(path);
-  std::string token;
-  if (!in || !std::getline(in, token) || token.empty()) {
-    throw ConfigError(where + " '" + path + "': cannot read a job token from it");
-  }
-  return token;
-}
-
-std::string utcNow() {
-  const std::time_t t = std::time(nullptr);
-  std::tm tm{};
-  ::gmtime_r(&t, &tm);
-  char text[32] = {};
-  std::strftime(text, sizeof(text), "%Y-%m-%dT%H:%M:%SZ", &tm);
-  return text;
-}
 
 // How a round ended for this node, once its workers are all gone.
 struct Verdict {
@@ -444,7 +362,7 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
                                  ? scratch_.path() + "/" + options_.rdzvId
                                  : options_.logDir + "/" + options_.rdzvId;
   const std::string attemptDir = runDir + "/attempt_" + std::to_string(a.restartCount);
-  log::debug("round {}: node rank {} of {}, ranks {}-{} of {}", a.round, a.nodeRank, a.nnodes,
+  log::info("round {}: node rank {} of {}, ranks {}-{} of {}", a.round, a.nodeRank, a.nnodes,
              a.rankOffset, a.rankOffset + options_.nprocPerNode - 1, a.worldSize);
   detail::WorkerGroup group(workerSpecs(a, attemptDir),
                             {.redirects = options_.redirects,
@@ -584,85 +502,7 @@ AgentResult Agent::run() {
   }
 }
 
-std::string joinLines(const std::string& text, const std::string& indent) {
-  std::string out;
-  std::istringstream in(text);
-  std::string line;
-  while (std::getline(in, line)) out += indent + line + "\n";
-  return out;
-}
-
 }  // namespace
-
-std::string Failure::toJson() const {
-  return nlohmann::json{{"rank", rank},
-                        {"local_rank", localRank},
-                        {"node", node},
-                        {"pid", pid},
-                        {"wait_status", waitStatus},
-                        {"seconds_after_start", secondsAfterStart},
-                        {"time", time},
-                        {"restart_count", restartCount},
-                        {"error", error},
-                        {"stderr_tail", stderrTail}}
-      .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
-}
-
-Failure Failure::fromJson(const std::string& text) {
-  const auto j = nlohmann::json::parse(text, nullptr, false);
-  if (j.is_discarded() || !j.is_object()) throw ProtocolError("malformed failure report");
-  try {
-    return Failure{j.at("rank").get<int>(),
-                   j.at("local_rank").get<int>(),
-                   j.at("node").get<std::string>(),
-                   j.at("pid").get<int>(),
-                   j.at("wait_status").get<int>(),
-                   j.at("seconds_after_start").get<double>(),
-                   j.value("time", std::string()),
-                   j.value("restart_count", 0),
-                   j.value("error", std::string()),
-                   j.value("stderr_tail", std::string())};
-  } catch (const nlohmann::json::exception& e) {
-    throw ProtocolError(std::string("malformed failure report: ") + e.what());
-  }
-}
-
-RendezvousPlan planRendezvous(const LaunchOptions& o) {
-  RendezvousPlan plan;
-  plan.preferredRank = o.nodeRank.value_or(-1);
-  const bool staticBackend = o.rdzvBackend == "static";
-  const bool singleNode = o.maxNodes == 1 && o.rdzvEndpoint.empty() &&
-                          (!staticBackend || o.sources.count("master_addr") == 0 ||
-                           o.sources.at("master_addr") == "default");
-  if (o.standalone || singleNode) {
-    plan.embedded = true;
-    return plan;
-  }
-  if (staticBackend) {
-    const std::string text = !o.rdzvEndpoint.empty()
-                                 ? o.rdzvEndpoint
-                                 : o.masterAddr + ":" + std::to_string(o.masterPort.value_or(kDefaultStaticPort));
-    plan.endpoint = parseEndpoint(text, kDefaultStaticPort,
-                                  o.rdzvEndpoint.empty() ? "--master_addr/--master_port" : "--rdzv_endpoint");
-  } else {
-    if (o.rdzvEndpoint.empty()) {
-      throw ConfigError("--nnodes " + std::to_string(o.minNodes) + ":" + std::to_string(o.maxNodes) +
-                        " needs --rdzv_endpoint HOST[:PORT]: where the nodes meet (any node of "
-                        "the job, or an fsdprun-rdzv daemon)");
-    }
-    plan.endpoint = parseEndpoint(o.rdzvEndpoint, kDefaultC10dPort, "--rdzv_endpoint");
-  }
-  if (o.rdzvConf.isHost) {
-    plan.mayHost = plan.mustHost = *o.rdzvConf.isHost;
-  } else {
-    plan.mayHost = isThisHost(plan.endpoint.host);
-  }
-  const auto& host = plan.endpoint.host;
-  // A literal address is bound as given; a name may resolve here (127.0.1.1 on Debian) to
-  // something else than on the other nodes, so every interface listens.
-  plan.bindHost = host == "localhost" ? "127.0.0.1" : isAddressLiteral(host) ? host : "::";
-  return plan;
-}
 
 AgentResult runAgent(const LaunchOptions& options, const std::vector<std::string>& command) {
   // A busy port the user asked for is named now, not after the workers failed on it.
@@ -677,117 +517,6 @@ AgentResult runAgent(const LaunchOptions& options, const std::vector<std::string
   ::signal(SIGPIPE, SIG_IGN);  // a console that went away must not kill the agent
   Agent agent(options, command);
   return agent.run();
-}
-
-std::vector<std::string> workerEnvironment(const LaunchOptions& options, const WorkerIdentity& id,
-                                           const WorkerContact& contact,
-                                           std::vector<std::string> base) {
-  std::map<std::string, std::string> set = {
-      {"RANK", std::to_string(id.rank)},
-      {"LOCAL_RANK", std::to_string(id.localRank)},
-      {"WORLD_SIZE", std::to_string(id.worldSize)},
-      {"LOCAL_WORLD_SIZE", std::to_string(id.localWorldSize)},
-      {"GROUP_RANK", std::to_string(id.groupRank)},
-      {"GROUP_WORLD_SIZE", std::to_string(id.groupWorldSize)},
-      {"ROLE_RANK", std::to_string(id.rank)},
-      {"ROLE_WORLD_SIZE", std::to_string(id.worldSize)},
-      {"ROLE_NAME", options.role},
-      {"MASTER_ADDR", contact.masterAddr},
-      {"MASTER_PORT", std::to_string(contact.masterPort)},
-      {"TORCHELASTIC_RUN_ID", options.rdzvId},
-      {"TORCHELASTIC_RESTART_COUNT", std::to_string(id.restartCount)},
-      {"TORCHELASTIC_MAX_RESTARTS", std::to_string(options.maxRestarts)},
-      {"TORCHELASTIC_USE_AGENT_STORE", contact.agentStore ? "True" : "False"},
-      {"FSDPRUN_STORE_ADDR", contact.storeHost},
-      {"FSDPRUN_STORE_PORT", std::to_string(contact.storePort)},
-      {"FSDPRUN_ROUND", std::to_string(id.round)},
-      {"FSDPRUN_LOCAL_ADDR", contact.localAddress},
-  };
-  if (!contact.tokenFile.empty()) set["FSDPRUN_TOKEN_FILE"] = contact.tokenFile;
-  if (!contact.errorFile.empty()) set["TORCHELASTIC_ERROR_FILE"] = contact.errorFile;
-  if (!contact.node.empty()) set["FSDPRUN_NODE"] = contact.node;
-  std::vector<std::string> env;
-  bool haveOmp = false;
-  for (auto& entry : base) {
-    const std::string key = entry.substr(0, entry.find('='));
-    if (key == "OMP_NUM_THREADS") haveOmp = true;
-    // A token left in the agent's own environment never reaches the workers.
-    if (key == "FSDPRUN_TOKEN") continue;
-    if (!set.contains(key)) env.push_back(std::move(entry));
-  }
-  if (!haveOmp) env.push_back("OMP_NUM_THREADS=1");
-  for (const auto& [key, value] : set) env.push_back(key + "=" + value);
-  return env;
-}
-
-std::string describeFailure(const Failure& f, int maxRestarts) {
-  std::ostringstream out;
-  out.setf(std::ios::fixed);
-  out.precision(3);
-  out << "rank " << f.rank << " (local_rank " << f.localRank << " on " << f.node << ", pid "
-      << f.pid << ") failed first: " << describeWaitStatus(f.waitStatus) << ", "
-      << f.secondsAfterStart << " s after it started";
-  if (!f.time.empty()) out << ", at " << f.time;
-  out << " (restart " << f.restartCount << " of " << maxRestarts << ")\n";
-  if (!f.error.empty()) {
-    out << "  its error (TORCHELASTIC_ERROR_FILE):\n" << joinLines(f.error, "    ");
-  }
-  if (!f.stderrTail.empty()) {
-    // With the error at hand, a few lines of context are enough.
-    std::string tail = f.stderrTail;
-    if (!f.error.empty()) {
-      std::size_t pos = tail.size();
-      for (int lines = 0; lines < 6 && pos > 0; ++lines) pos = tail.rfind('\n', pos - 1);
-      if (pos != std::string::npos && pos > 0) tail = tail.substr(pos + 1);
-    }
-    out << "  the last lines of its stderr:\n" << joinLines(tail, "    | ");
-  }
-  if (f.error.empty() && f.stderrTail.empty()) out << "  it wrote nothing to stderr\n";
-  return out.str();
-}
-
-std::string describeConfiguration(const LaunchOptions& o, const std::vector<std::string>& command) {
-  std::ostringstream out;
-  const auto line = [&](const std::string& key, const std::string& value) {
-    const auto it = o.sources.find(key);
-    out << key << ": " << value << "  (" << (it == o.sources.end() ? "default" : it->second)
-        << ")\n";
-  };
-  const auto plan = planRendezvous(o);
-  line("nnodes", o.minNodes == o.maxNodes ? std::to_string(o.minNodes)
-                                          : std::to_string(o.minNodes) + ":" + std::to_string(o.maxNodes));
-  line("nproc_per_node", std::to_string(o.nprocPerNode));
-  if (plan.embedded) {
-    out << "rendezvous: embedded on 127.0.0.1 (a free port), one node\n";
-  } else {
-    line("rdzv_backend", o.rdzvBackend);
-    line(o.rdzvBackend == "static" && o.rdzvEndpoint.empty() ? "master_addr" : "rdzv_endpoint",
-         plan.endpoint.str());
-    out << "rendezvous host: "
-        << (plan.mustHost ? "this node (is_host=true)"
-            : plan.mayHost ? "this node, unless the port is already served"
-                           : "another node")
-        << "\n";
-  }
-  line("node_rank", o.nodeRank ? std::to_string(*o.nodeRank) : "assigned by the rendezvous");
-  line("rdzv_id", o.rdzvId);
-  line("max_restarts", std::to_string(o.maxRestarts));
-  line("role", o.role);
-  if (!o.localAddr.empty()) line("local_addr", o.localAddr);
-  if (!o.logDir.empty()) line("log_dir", o.logDir);
-  std::ostringstream timeout;
-  timeout << o.shutdownTimeout.count() / 1000.0 << " s";
-  line("shutdown_timeout", timeout.str());
-  const auto& c = o.rdzvConf;
-  out << "rdzv_conf: join_timeout=" << c.joinTimeout.count() / 1000.0
-      << " last_call_timeout=" << c.lastCallTimeout.count() / 1000.0
-      << " heartbeat_interval=" << c.heartbeatInterval.count() / 1000.0
-      << " heartbeat_timeout=" << c.heartbeatTimeout.count() / 1000.0 << "  ("
-      << o.sources.at("rdzv_conf") << ")\n";
-  out << "command:";
-  for (const auto& arg : command) out << ' ' << arg;
-  out << '\n';
-  return out.str();
 }
 
 }  // namespace fsdp::launcher

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <boost/asio.hpp>
+#include <boost/asio/experimental/awaitable_operators.hpp>
 #include <functional>
 #include <future>
 #include <optional>
@@ -21,12 +22,14 @@ namespace fsdp::rendezvous {
 namespace asio = boost::asio;
 using asio::awaitable;
 using asio::ip::tcp;
+using namespace asio::experimental::awaitable_operators;
 constexpr auto kUseAwaitable = asio::use_awaitable;
 
 namespace {
 
 // A client's replies waiting beyond this many bytes: it does not read them; it is closed.
 constexpr std::size_t kMaxQueuedBytes = 256u << 20;
+
 
 }  // namespace
 
@@ -48,7 +51,7 @@ class ProxyOutbox {
       bytes.erase(bytes.begin(), bytes.begin() + static_cast<std::ptrdiff_t>(n));
     }
     queued_.insert(queued_.end(), bytes.begin(), bytes.end());
-    if (queued_.size() > kMaxQueuedBytes) return false;
+    if (queued_.size() > maxQueued) return false;
     if (!writing_) {
       writing_ = true;
       asio::co_spawn(socket_.get_executor(), drain(std::move(owner)), asio::detached);
@@ -56,13 +59,38 @@ class ProxyOutbox {
     return true;
   }
   bool writing() const { return writing_; }
+  // Bytes given to write() and not written yet.
+  std::size_t unwritten() const { return queued_.size() + inFlight_; }
   std::function<void()> onDrained;  // called when a writer finished (or failed)
+  std::size_t maxQueued = kMaxQueuedBytes;  // past this, write() fails
+  // What is queued must be written within this (0: no bound), else onStalled is called and
+  // the rest dropped.
+  std::chrono::milliseconds writeTimeout{0};
+  std::function<void()> onStalled;
 
  private:
   awaitable<void> drain([[maybe_unused]] std::shared_ptr<void> owner) {
     while (!queued_.empty()) {
       auto batch = std::exchange(queued_, {});
-      auto [ec, n] = co_await asio::async_write(socket_, asio::buffer(batch), asio::as_tuple(kUseAwaitable));
+      inFlight_ = batch.size();
+      boost::system::error_code ec;
+      if (writeTimeout.count() > 0) {
+        asio::steady_timer timer(socket_.get_executor(), writeTimeout);
+        auto result = co_await (
+            asio::async_write(socket_, asio::buffer(batch), asio::as_tuple(kUseAwaitable)) ||
+            timer.async_wait(asio::as_tuple(kUseAwaitable)));
+        if (result.index() == 1) {
+          inFlight_ = 0;
+          queued_.clear();
+          if (onStalled) onStalled();
+          break;
+        }
+        ec = std::get<0>(std::get<0>(result));
+      } else {
+        std::tie(ec, std::ignore) = co_await asio::async_write(socket_, asio::buffer(batch),
+                                                               asio::as_tuple(kUseAwaitable));
+      }
+      inFlight_ = 0;
       if (ec) {
         queued_.clear();
         break;
@@ -73,6 +101,7 @@ class ProxyOutbox {
   }
   tcp::socket& socket_;
   std::vector<std::uint8_t> queued_;
+  std::size_t inFlight_ = 0;
   bool writing_ = false;
 };
 
@@ -104,8 +133,16 @@ struct ProxyClient : std::enable_shared_from_this<ProxyClient> {
   }
   void send(std::vector<std::uint8_t> frame) {
     if (closed) return;
-    if (!out.write(std::move(frame), shared_from_this())) close();
+    if (!out.write(std::move(frame), shared_from_this())) {
+      if (out.unwritten() > kMaxQueuedBytes) {
+        log::warn("store proxy: closing local client of stream {}: {} bytes of replies unread",
+                  stream, out.unwritten());
+      }
+      close();
+    }
   }
+  // The reader waits here while the client's unread replies are over the bound.
+  asio::steady_timer* room = nullptr;
   void closeAfterFlush() {
     if (!out.writing()) {
       close();
@@ -198,6 +235,17 @@ struct StoreProxy::Impl {
       auto client = std::make_shared<ProxyClient>(std::move(socket), *number);
       client->out.onDrained = [c = client.get()] {
         if (c->closeWhenDrained) c->close();
+        if (c->room != nullptr) c->room->cancel();
+      };
+      // A client that reads its replies slower than this is not reading them.
+      client->out.maxQueued = 4 * options.maxUnreadBytes + options.limits.maxValueBytes;
+      client->out.writeTimeout = options.unreadTimeout;
+      client->out.onStalled = [this, c = client.get()] {
+        log::warn("store proxy: closing local client of stream {}: it read none of its replies "
+                  "for {} ms",
+                  c->stream, options.unreadTimeout.count());
+        ++stats.slowReadersClosed;
+        c->close();
       };
       streams.emplace(*number, client);
       asio::co_spawn(io, serveClient(client), asio::detached);
@@ -209,6 +257,19 @@ struct StoreProxy::Impl {
     bool opened = false;
     try {
       for (;;) {
+        if (client->out.unwritten() > options.maxUnreadBytes && !client->closed) {
+          asio::steady_timer room(io, options.unreadTimeout);
+          client->room = &room;
+          auto [ec] = co_await room.async_wait(asio::as_tuple(kUseAwaitable));
+          client->room = nullptr;
+          if (!ec && client->out.unwritten() > options.maxUnreadBytes) {
+            log::warn("store proxy: closing local client of stream {}: it read none of its {} "
+                      "bytes of replies for {} ms",
+                      client->stream, client->out.unwritten(), options.unreadTimeout.count());
+            ++stats.slowReadersClosed;
+            break;
+          }
+        }
         std::vector<std::uint8_t> frame(kHeaderSize);
         co_await asio::async_read(client->socket, asio::buffer(frame), kUseAwaitable);
         Header h;

@@ -127,7 +127,7 @@ awaitable<void> Session::writer([[maybe_unused]] std::shared_ptr<Session> self) 
     auto result = co_await (asio::async_write(socket_, asio::buffer(outbox_.front()),
                                               asio::as_tuple(kUseAwaitable)) ||
                             timer.async_wait(asio::as_tuple(kUseAwaitable)));
-    if (result.index() == 1) {
+    if (result.index() == 1 && !closed_) {  // (closed already: counted where it was closed)
       log::warn("store server: closing connection from {}: it read nothing of its replies for {} ms",
                 peer(), server_.options.frameTimeout.count());
       ++server_.stats.slowReadersClosed;

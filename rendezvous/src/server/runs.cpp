@@ -56,6 +56,12 @@ void StoreServer::Impl::deliver(Run& run, const std::vector<Event>& events) {
   bool assigned = false;
   for (Event event : events) {
     if (event.kind == EventKind::kAssigned) {
+      // Once per round (its node rank 0's assignment), for whoever audits a run's history.
+      if (event.assignment.nodeRank == 0) {
+        log::info("store server: run '{}': round {} formed: {} nodes, world size {}, {} restarts",
+                  run.id, event.assignment.round, event.assignment.nnodes,
+                  event.assignment.worldSize, event.assignment.restartCount);
+      }
       assigned = true;
       event.assignment.pytorchStore = pytorchRun;
     }

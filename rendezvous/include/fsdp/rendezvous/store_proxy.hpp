@@ -30,6 +30,11 @@ struct ProxyOptions {
   std::uint16_t port = 0;          // 0: a free port
   Limits limits;
   std::chrono::milliseconds connectTimeout{30000};
+  // A local client whose replies pass this many unread bytes is not read until it reads them
+  // (back-pressure; the server connection and the other clients go on); one that reads none
+  // of them for unreadTimeout is closed, logged.
+  std::size_t maxUnreadBytes = 4u << 20;
+  std::chrono::milliseconds unreadTimeout{30000};
 };
 
 struct ProxyStats {
@@ -38,6 +43,7 @@ struct ProxyStats {
   std::uint64_t framesUp = 0;       // client frames forwarded to the server
   std::uint64_t framesDown = 0;     // server frames forwarded to clients
   std::uint64_t protocolErrors = 0;
+  std::uint64_t slowReadersClosed = 0;  // clients closed for not reading their replies
   std::uint64_t streamsInUse = 0;   // numbers taken: open clients, and closed ones the server
                                     // has not acknowledged yet
   bool serverConnected = true;

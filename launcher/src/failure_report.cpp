@@ -1,0 +1,84 @@
+// The failure report: a failed worker's record as agents exchange it (JSON) and as the user
+// reads it (describeFailure).
+#include "fsdp/launcher/agent.hpp"
+
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+
+#include "fsdp/common/error.hpp"
+#include "fsdp/common/process.hpp"
+
+namespace fsdp::launcher {
+namespace {
+
+std::string joinLines(const std::string& text, const std::string& indent) {
+  std::string out;
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) out += indent + line + "\n";
+  return out;
+}
+
+}  // namespace
+
+std::string Failure::toJson() const {
+  return nlohmann::json{{"rank", rank},
+                        {"local_rank", localRank},
+                        {"node", node},
+                        {"pid", pid},
+                        {"wait_status", waitStatus},
+                        {"seconds_after_start", secondsAfterStart},
+                        {"time", time},
+                        {"restart_count", restartCount},
+                        {"error", error},
+                        {"stderr_tail", stderrTail}}
+      .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+Failure Failure::fromJson(const std::string& text) {
+  const auto j = nlohmann::json::parse(text, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) throw ProtocolError("malformed failure report");
+  try {
+    return Failure{j.at("rank").get<int>(),
+                   j.at("local_rank").get<int>(),
+                   j.at("node").get<std::string>(),
+                   j.at("pid").get<int>(),
+                   j.at("wait_status").get<int>(),
+                   j.at("seconds_after_start").get<double>(),
+                   j.value("time", std::string()),
+                   j.value("restart_count", 0),
+                   j.value("error", std::string()),
+                   j.value("stderr_tail", std::string())};
+  } catch (const nlohmann::json::exception& e) {
+    throw ProtocolError(std::string("malformed failure report: ") + e.what());
+  }
+}
+
+std::string describeFailure(const Failure& f, int maxRestarts) {
+  std::ostringstream out;
+  out.setf(std::ios::fixed);
+  out.precision(3);
+  out << "rank " << f.rank << " (local_rank " << f.localRank << " on " << f.node << ", pid "
+      << f.pid << ") failed first: " << describeWaitStatus(f.waitStatus) << ", "
+      << f.secondsAfterStart << " s after it started";
+  if (!f.time.empty()) out << ", at " << f.time;
+  out << " (restart " << f.restartCount << " of " << maxRestarts << ")\n";
+  if (!f.error.empty()) {
+    out << "  its error (TORCHELASTIC_ERROR_FILE):\n" << joinLines(f.error, "    ");
+  }
+  if (!f.stderrTail.empty()) {
+    // With the error at hand, a few lines of context are enough.
+    std::string tail = f.stderrTail;
+    if (!f.error.empty()) {
+      std::size_t pos = tail.size();
+      for (int lines = 0; lines < 6 && pos > 0; ++lines) pos = tail.rfind('\n', pos - 1);
+      if (pos != std::string::npos && pos > 0) tail = tail.substr(pos + 1);
+    }
+    out << "  the last lines of its stderr:\n" << joinLines(tail, "    | ");
+  }
+  if (f.error.empty() && f.stderrTail.empty()) out << "  it wrote nothing to stderr\n";
+  return out.str();
+}
+
+}  // namespace fsdp::launcher

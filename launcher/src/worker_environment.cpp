@@ -1,0 +1,52 @@
+// The workers' environment: torchrun's variables and fsdprun's own, on top of the agent's.
+#include "fsdp/launcher/agent.hpp"
+
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace fsdp::launcher {
+
+std::vector<std::string> workerEnvironment(const LaunchOptions& options, const WorkerIdentity& id,
+                                           const WorkerContact& contact,
+                                           std::vector<std::string> base) {
+  std::map<std::string, std::string> set = {
+      {"RANK", std::to_string(id.rank)},
+      {"LOCAL_RANK", std::to_string(id.localRank)},
+      {"WORLD_SIZE", std::to_string(id.worldSize)},
+      {"LOCAL_WORLD_SIZE", std::to_string(id.localWorldSize)},
+      {"GROUP_RANK", std::to_string(id.groupRank)},
+      {"GROUP_WORLD_SIZE", std::to_string(id.groupWorldSize)},
+      {"ROLE_RANK", std::to_string(id.rank)},
+      {"ROLE_WORLD_SIZE", std::to_string(id.worldSize)},
+      {"ROLE_NAME", options.role},
+      {"MASTER_ADDR", contact.masterAddr},
+      {"MASTER_PORT", std::to_string(contact.masterPort)},
+      {"TORCHELASTIC_RUN_ID", options.rdzvId},
+      {"TORCHELASTIC_RESTART_COUNT", std::to_string(id.restartCount)},
+      {"TORCHELASTIC_MAX_RESTARTS", std::to_string(options.maxRestarts)},
+      {"TORCHELASTIC_USE_AGENT_STORE", contact.agentStore ? "True" : "False"},
+      {"FSDPRUN_STORE_ADDR", contact.storeHost},
+      {"FSDPRUN_STORE_PORT", std::to_string(contact.storePort)},
+      {"FSDPRUN_ROUND", std::to_string(id.round)},
+      {"FSDPRUN_LOCAL_ADDR", contact.localAddress},
+  };
+  if (!contact.tokenFile.empty()) set["FSDPRUN_TOKEN_FILE"] = contact.tokenFile;
+  if (!contact.errorFile.empty()) set["TORCHELASTIC_ERROR_FILE"] = contact.errorFile;
+  if (!contact.node.empty()) set["FSDPRUN_NODE"] = contact.node;
+  std::vector<std::string> env;
+  bool haveOmp = false;
+  for (auto& entry : base) {
+    const std::string key = entry.substr(0, entry.find('='));
+    if (key == "OMP_NUM_THREADS") haveOmp = true;
+    // A token left in the agent's own environment never reaches the workers.
+    if (key == "FSDPRUN_TOKEN") continue;
+    if (!set.contains(key)) env.push_back(std::move(entry));
+  }
+  if (!haveOmp) env.push_back("OMP_NUM_THREADS=1");
+  for (const auto& [key, value] : set) env.push_back(key + "=" + value);
+  return env;
+}
+
+}  // namespace fsdp::launcher
