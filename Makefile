@@ -4,6 +4,7 @@
 #   make bench   install what is missing, build, run every benchmark (JSON lines)
 #   make build   install what is missing, build
 #   make fuzz-fsdp FUZZ_SECONDS=N   generated FSDP cases against one process for N seconds
+#   make chaos CHAOS_SECONDS=N      an elastic job under random kills and freezes for N seconds
 SANITIZE ?= 0
 ifeq ($(SANITIZE),1)
 BUILD_DIR ?= build-asan
@@ -17,7 +18,7 @@ JOBS ?= $(shell nproc)
 export CCACHE_SLOPPINESS := pch_defines,time_macros,include_file_mtime,include_file_ctime
 export CCACHE_MAXSIZE ?= 5G
 
-.PHONY: all deps configure build test demo bench fuzz fuzz-fsdp clean format
+.PHONY: all deps configure build test demo bench fuzz fuzz-fsdp chaos clean format
 
 all: build
 
@@ -55,6 +56,11 @@ fuzz-fsdp: build
 	@FSDP_DIFF_SECONDS=$(FUZZ_SECONDS) $(BUILD_DIR)/bin/differential_fsdp \
 	  --gtest_filter='FsdpDifferential.*' > $(BUILD_DIR)/fuzz-fsdp.log 2>&1; status=$$?; \
 	  tail -n 30 $(BUILD_DIR)/fuzz-fsdp.log; echo "every case: $(BUILD_DIR)/fuzz-fsdp.log"; exit $$status
+
+# The chaos test with a new random seed (printed; CHAOS_SEED=<seed> replays it).
+CHAOS_SECONDS ?= 600
+chaos: build
+	CHAOS_SECONDS=$(CHAOS_SECONDS) $(BUILD_DIR)/bin/system_chaos
 
 format:
 	find common rendezvous launcher slurm worker examples tests bench -name '*.[ch]pp' | xargs clang-format -i

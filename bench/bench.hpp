@@ -43,6 +43,7 @@ double percentile(std::vector<double>& samples, double p);
 void storeOps(const Args& args);
 void rdzvJoin(const Args& args);
 void storeInit(const Args& args);
+void storeAbuse(const Args& args);
 // Hidden subcommands run by the benches in child processes.
 int rdzvJoinHelper(std::uint16_t port, int count, int total);
 int storeInitHelper(const std::string& server, std::uint16_t port, int count, int total);

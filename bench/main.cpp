@@ -95,6 +95,12 @@ int main(int argc, char** argv) {
        "as_shipped|presized; no --nodes by default)",
        {"clients", "server", "client", "reps", "nodes", "c10d_fds"},
        storeInit},
+      {"store_abuse",
+       "fsdprun-rdzv's RSS with clients that never read their replies, caps off vs on; 100 "
+       "well-behaved clients' store_init barrier quiet vs during a storm of --storm (1000) "
+       "abusive clients: never reading, half frames, connect-close loops (--reps 3)",
+       {"clients", "storm", "reps"},
+       storeAbuse},
       {"launch",
        "fsdprun vs torchrun (--monitor_interval 0.1): --standalone --nproc_per_node N: wall of a "
        "/bin/true job, start -> every worker started (--n 1,2,4,8 --reps 5)",

@@ -1,6 +1,7 @@
 // The node's store proxy: many local clients on one multiplexed connection to a real server,
 // on loopback.
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -265,6 +266,52 @@ TEST(StoreProxy, AClientOfTheProxyCannotMultiplex) {
   ::close(fd);
   client->set("still", "here");
   EXPECT_EQ(client->get("still"), "here");
+}
+
+}  // namespace
+
+namespace {
+
+// A local client that sends requests and never reads: the proxy stops reading it past its
+// bound of unread replies, closes it after the unread timeout, and serves the others
+// throughout.
+TEST(StoreProxy, AClientThatReadsNoRepliesIsPausedThenClosedAndTheOthersGoOn) {
+  StoreServer server({});
+  StoreProxy proxy({.serverHost = "127.0.0.1",
+                    .serverPort = server.port(),
+                    .runId = "job",
+                    .maxUnreadBytes = 64u << 10,
+                    .unreadTimeout = 300ms});
+  auto good = StoreClient::connect("127.0.0.1", proxy.port(), {.timeout = 10s, .runId = "job"});
+  good->set("big", std::string(64u << 10, 'v'));
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  const int small = 4096;
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(proxy.port());
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  auto bytes = encodeRequest({.op = Op::kHello, .keys = {"job"}});
+  for (int i = 0; i < 400; ++i) {  // 25 MiB of replies: more than every buffer on the way
+    const auto get = encodeRequest({.op = Op::kGet, .keys = {"big"}, .timeoutMs = 1000});
+    bytes.insert(bytes.end(), get.begin(), get.end());
+  }
+  std::thread sender([&] {
+    std::size_t sent = 0;
+    while (sent < bytes.size()) {
+      const auto n = ::send(fd, bytes.data() + sent, bytes.size() - sent, MSG_NOSIGNAL);
+      if (n <= 0) break;  // closed by the proxy
+      sent += static_cast<std::size_t>(n);
+    }
+  });
+  EXPECT_TRUE(eventually([&] { return proxy.stats().slowReadersClosed; }, 1))
+      << "the client that reads nothing is closed";
+  sender.join();
+  EXPECT_TRUE(closedWithin(fd, 10s));
+  ::close(fd);
+  good->set("k", "v");
+  EXPECT_EQ(good->get("k"), "v");
 }
 
 }  // namespace

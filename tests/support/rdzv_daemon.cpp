@@ -10,13 +10,15 @@
 
 namespace fsdp::testing {
 
-RdzvDaemon::RdzvDaemon(const std::vector<std::string>& args, const std::vector<std::string>& wrapper) {
+RdzvDaemon::RdzvDaemon(const std::vector<std::string>& args, const std::vector<std::string>& wrapper,
+                       const std::string& stderrPath) {
   int fds[2];
   if (::pipe2(fds, O_CLOEXEC) != 0) throwErrno("pipe2", errno);
   SpawnOptions options{.argv = wrapper, .env = currentEnvironment()};
   options.argv.insert(options.argv.end(), {std::string(FSDP_BIN_DIR) + "/fsdprun-rdzv", "--port", "0"});
   options.argv.insert(options.argv.end(), args.begin(), args.end());
   options.stdoutFd = fds[1];
+  if (!stderrPath.empty()) options.stderrPath = stderrPath;
   process_.emplace(ChildProcess::spawn(options));
   ::close(fds[1]);
   // Read "fsdprun-rdzv: listening on HOST:PORT ..." within 10 s.

@@ -6,7 +6,12 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <sys/resource.h>
+
+#include <atomic>
 #include <thread>
+
+#include "fsdp/common/process.hpp"
 
 #include "fsdp/rendezvous/store_client.hpp"
 #include "fsdp/rendezvous/store_server.hpp"
@@ -159,6 +164,68 @@ TEST(SlowReaders, AClientThatReadsNothingForTheFrameTimeoutIsClosed) {
   auto client = StoreClient::connect("127.0.0.1", server.port(), {.timeout = 10s});
   client->set("k", "v");
   EXPECT_EQ(client->get("k", 5s), "v");
+  ::close(writer);
+}
+
+// The storm: 1,000 abusive clients (a third never read, a third send half a frame and stall, a
+// third connect and close in a loop) while 100 well-behaved clients run a store_init barrier
+// (connect, add 1, wait for 100). Every one of the 100 gets through, and what the server holds
+// for the abusers stays under its caps. (Their latency against a quiet run is measured by
+// `fsdp-bench store_abuse`, not asserted here: a shared CI machine times nothing reliably.)
+TEST(SlowReaders, AStormOfAbusiveClientsLeavesAStoreInitBarrierWorking) {
+  fsdp::raiseDescriptorLimit();
+  rlimit limit{};
+  ::getrlimit(RLIMIT_NOFILE, &limit);
+  if (limit.rlim_cur < 4096) GTEST_SKIP() << "a descriptor limit of " << limit.rlim_cur;
+  constexpr std::size_t kCap = 256u << 10;
+  constexpr std::size_t kTotalCap = 16u << 20;
+  constexpr std::size_t kValue = 64u << 10;
+  constexpr int kAbusers = 1000;
+  StoreServer server({.frameTimeout = 2s, .maxQueuedBytes = kCap, .maxQueuedBytesTotal = kTotalCap});
+  const int writer = fsdp::testing::connectLoopback(server.port());
+  sendAll(writer, pytorchSet("storm", std::string(kValue, 's')));
+  std::vector<int> held;
+  const auto hello = encodeRequest({.op = Op::kHello, .keys = {"job"}, .value = "nonce"});
+  const Bytes halfFrame(hello.begin(), hello.begin() + static_cast<std::ptrdiff_t>(hello.size() / 2));
+  int nonReaders = 0;
+  for (int c = 0; c < kAbusers; c += 3) {
+    held.push_back(smallReceiveBufferConnection(server.port()));
+    sendAll(held.back(), pytorchGets("storm", 200));
+    ++nonReaders;
+    held.push_back(fsdp::testing::connectLoopback(server.port()));
+    sendAll(held.back(), halfFrame);
+  }
+  std::atomic<bool> done{false};
+  std::atomic<int> churned{0};
+  std::thread churn([&] {
+    while (!done) {
+      const int fd = fsdp::testing::connectLoopback(server.port());
+      if (fd >= 0) ::close(fd);
+      ++churned;
+    }
+  });
+  std::vector<std::thread> ranks;
+  std::atomic<int> through{0};
+  for (int r = 0; r < 100; ++r) {
+    ranks.emplace_back([&] {
+      try {
+        auto client = StoreClient::connect("127.0.0.1", server.port(), {.timeout = 60s});
+        EXPECT_EQ(client->addAndWait("init", 1, 100, 60s), 100);
+        ++through;
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << e.what();
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  done = true;
+  churn.join();
+  EXPECT_EQ(through.load(), 100);
+  EXPECT_GT(churned.load(), 0);
+  const auto stats = server.stats();
+  EXPECT_LE(stats.queuedBytesPeak, kTotalCap + nonReaders * (kValue + 64))
+      << "the non-readers together hold no more than the server-wide cap and a reply each";
+  for (const int fd : held) ::close(fd);
   ::close(writer);
 }
 
