@@ -98,8 +98,9 @@ int main(int argc, char** argv) {
       {"store_abuse",
        "fsdprun-rdzv's RSS with clients that never read their replies, caps off vs on; 100 "
        "well-behaved clients' store_init barrier quiet vs during a storm of --storm (1000) "
-       "abusive clients: never reading, half frames, connect-close loops (--reps 3)",
-       {"clients", "storm", "reps"},
+       "abusive clients: never reading, half frames, connect-close loops (--reps 3; --kinds 012 picks "
+       "which of the three, in that order)",
+       {"clients", "storm", "reps", "kinds"},
        storeAbuse},
       {"launch",
        "fsdprun vs torchrun (--monitor_interval 0.1): --standalone --nproc_per_node N: wall of a "

@@ -48,7 +48,11 @@ awaitable<void> StoreServer::Impl::accept() {
     auto [waitError] =
         co_await acceptor.async_wait(tcp::acceptor::wait_read, asio::as_tuple(kUseAwaitable));
     if (waitError == asio::error::operation_aborted || stopped) co_return;
-    for (;;) {
+    for (int taken = 1;; ++taken) {
+      // A connection storm must not starve the connections already served: after a batch,
+      // what else is ready runs before the next.
+      if (taken % 32 == 0) co_await asio::post(io, kUseAwaitable);
+      if (stopped) co_return;
       tcp::socket socket(io);
       acceptor.accept(socket, ec);
       if (ec == asio::error::would_block || ec == asio::error::try_again) break;

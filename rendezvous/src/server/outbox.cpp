@@ -145,6 +145,12 @@ awaitable<void> Session::writer([[maybe_unused]] std::shared_ptr<Session> self) 
 }
 
 awaitable<bool> Session::waitForRoom() {
+  // A client that pipelines many requests gets a turn, not the loop: after a batch, whatever
+  // else is ready (other clients, the acceptor) runs first.
+  if (++sinceYield_ == kRequestsPerTurn) {
+    sinceYield_ = 0;
+    co_await asio::post(socket_.get_executor(), kUseAwaitable);
+  }
   if (!overCap()) co_return !closed_;
   // What the reader held goes out (or into the queue) first: the client may be reading.
   if (!held_.empty()) write(std::exchange(held_, {}));

@@ -174,6 +174,8 @@ class Session : public std::enable_shared_from_this<Session> {
   std::size_t queuedBytes_ = 0;  // what outbox_ holds
   // The reader waits here for the writer to bring the unsent bytes under the cap.
   std::unique_ptr<boost::asio::steady_timer> room_;
+  static constexpr int kRequestsPerTurn = 16;
+  int sinceYield_ = 0;  // requests read since this connection last let others run
   bool closed_ = false;
   bool closeAfterFlush_ = false;
   bool writing_ = false;
