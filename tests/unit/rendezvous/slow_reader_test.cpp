@@ -167,6 +167,64 @@ TEST(SlowReaders, AClientThatReadsNothingForTheFrameTimeoutIsClosed) {
   ::close(writer);
 }
 
+// One frame off `fd`: its header and body (empty header op kPing when the connection closed).
+std::pair<Header, Bytes> readFrame(int fd) {
+  const auto head = fsdp::testing::readUpTo(fd, kHeaderSize);
+  if (head.size() < kHeaderSize) return {Header{}, {}};
+  const Header h = decodeHeader(head, Limits{});
+  return {h, fsdp::testing::readUpTo(fd, h.bodyLength)};
+}
+
+Bytes onStream(Request req, std::uint16_t stream) {
+  auto frame = encodeRequest(req);
+  setFrameStream(frame, stream);
+  return frame;
+}
+
+// A multiplexed stream (a proxy's client) that keeps sending behind a request that waits is
+// ended past the cap; its connection and the other streams go on.
+TEST(SlowReaders, AStreamThatQueuesPastTheCapIsEndedAndItsNeighboursGoOn) {
+  StoreServer server({.maxQueuedBytes = 64u << 10});
+  const int fd = fsdp::testing::connectLoopback(server.port());
+  Bytes opening = encodeRequest({.op = Op::kHello, .keys = {"job"}});
+  const auto mux = encodeRequest({.op = Op::kMux});
+  opening.insert(opening.end(), mux.begin(), mux.end());
+  sendAll(fd, opening);
+  ASSERT_EQ(readFrame(fd).first.op, Op::kHello);
+  ASSERT_EQ(readFrame(fd).first.op, Op::kMux);
+  Bytes flood = onStream({.op = Op::kHello, .keys = {"job"}}, 5);
+  const auto parked = onStream({.op = Op::kGet, .keys = {"absent"}, .timeoutMs = 60000}, 5);
+  flood.insert(flood.end(), parked.begin(), parked.end());
+  for (int i = 0; i < 20; ++i) {  // 160 KiB queued behind the GET
+    const auto set = onStream({.op = Op::kSet, .keys = {"k" + std::to_string(i)},
+                               .value = std::string(8192, 'x')}, 5);
+    flood.insert(flood.end(), set.begin(), set.end());
+  }
+  sendAll(fd, flood);
+  const auto [helloReply, helloBody] = readFrame(fd);
+  EXPECT_EQ(helloReply.op, Op::kHello);
+  const auto [ended, endedBody] = readFrame(fd);
+  EXPECT_EQ(ended.op, Op::kEndStream);
+  EXPECT_EQ(ended.stream, 5);
+  // The connection's other streams are served.
+  Bytes other = onStream({.op = Op::kHello, .keys = {"job"}}, 7);
+  for (const auto& frame : {onStream({.op = Op::kSet, .keys = {"n"}, .value = "v"}, 7),
+                            onStream({.op = Op::kGet, .keys = {"n"}, .timeoutMs = 1000}, 7)}) {
+    other.insert(other.end(), frame.begin(), frame.end());
+  }
+  sendAll(fd, other);
+  for (const Op op : {Op::kHello, Op::kSet, Op::kGet}) {
+    const auto [h, body] = readFrame(fd);
+    EXPECT_EQ(h.op, op);
+    EXPECT_EQ(h.stream, 7);
+    if (op == Op::kGet) {
+      EXPECT_EQ(decodeResponse(body, Limits{}).value, "v");
+    }
+  }
+  EXPECT_GE(server.stats().slowReadersClosed, 1u);
+  ::close(fd);
+}
+
 // The storm: 1,000 abusive clients (a third never read, a third send half a frame and stall, a
 // third connect and close in a loop) while 100 well-behaved clients run a store_init barrier
 // (connect, add 1, wait for 100). Every one of the 100 gets through, and what the server holds
