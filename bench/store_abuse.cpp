@@ -18,12 +18,13 @@
 #include "fsdp/common/process.hpp"
 #include "fsdp/rendezvous/protocol.hpp"
 #include "fsdp/rendezvous/store_client.hpp"
+#include "pytorch_wire.hpp"
 
 namespace fsdp::bench {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-using Bytes = std::vector<std::uint8_t>;
+using testing::pytorch_wire::Bytes;
 using namespace std::chrono_literals;
 
 // fsdprun-rdzv in a process of its own, with `flags`; killed by the destructor.
@@ -61,28 +62,8 @@ class Daemon {
   std::uint16_t port_ = 0;
 };
 
-Bytes str(const std::string& s) {
-  Bytes out;
-  for (int i = 0; i < 8; ++i) out.push_back(static_cast<std::uint8_t>(s.size() >> (8 * i)));
-  out.insert(out.end(), s.begin(), s.end());
-  return out;
-}
-
-// PyTorch 1.13 requests: SET (no reply) and GET, which need no handshake.
-Bytes pytorchSet(const std::string& key, const std::string& value) {
-  Bytes out{0};
-  for (const auto& f : {str(key), str(value)}) out.insert(out.end(), f.begin(), f.end());
-  return out;
-}
-
-Bytes pytorchGets(const std::string& key, int times) {
-  Bytes one{2};
-  const auto k = str(key);
-  one.insert(one.end(), k.begin(), k.end());
-  Bytes out;
-  for (int i = 0; i < times; ++i) out.insert(out.end(), one.begin(), one.end());
-  return out;
-}
+const auto pytorchSet = testing::pytorch_wire::set113;
+const auto pytorchGets = testing::pytorch_wire::gets113;
 
 int connectTo(std::uint16_t port, bool smallReceiveBuffer) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);

@@ -11,9 +11,13 @@
 
 namespace fsdp::testing {
 
-int connectLoopback(std::uint16_t port, std::chrono::milliseconds receiveTimeout) {
+int connectLoopback(std::uint16_t port, std::chrono::milliseconds receiveTimeout,
+                    int receiveBuffer) {
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return -1;
+  if (receiveBuffer > 0) {
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &receiveBuffer, sizeof(receiveBuffer));
+  }
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(port);

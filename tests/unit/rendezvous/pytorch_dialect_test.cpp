@@ -13,13 +13,14 @@
 
 #include "fsdp/rendezvous/store_client.hpp"
 #include "fsdp/rendezvous/store_server.hpp"
+#include "pytorch_wire.hpp"
 #include "raw_socket.hpp"
 
 namespace fsdp::rendezvous {
 namespace {
 
 using namespace std::chrono_literals;
-using Bytes = std::vector<std::uint8_t>;
+using fsdp::testing::pytorch_wire::Bytes;
 
 // The opcodes of PyTorch 2.x's QueryType.
 enum : std::uint8_t {
@@ -43,24 +44,9 @@ enum : std::uint8_t {
   kListKeys = 17,
 };
 
-Bytes u64(std::uint64_t v) {
-  Bytes out;
-  for (int i = 0; i < 8; ++i) out.push_back(static_cast<std::uint8_t>(v >> (8 * i)));
-  return out;
-}
-
-Bytes str(const std::string& s) {
-  Bytes out = u64(s.size());
-  out.insert(out.end(), s.begin(), s.end());
-  return out;
-}
-
-// Concatenates an opcode and its fields.
-Bytes request(std::uint8_t op, std::initializer_list<Bytes> fields) {
-  Bytes out{op};
-  for (const auto& f : fields) out.insert(out.end(), f.begin(), f.end());
-  return out;
-}
+using fsdp::testing::pytorch_wire::request;
+using fsdp::testing::pytorch_wire::str;
+using fsdp::testing::pytorch_wire::u64;
 
 class CurrentDialectTest : public ::testing::Test {
  protected:

@@ -15,51 +15,22 @@
 
 #include "fsdp/rendezvous/store_client.hpp"
 #include "fsdp/rendezvous/store_server.hpp"
+#include "pytorch_wire.hpp"
 #include "raw_socket.hpp"
 
 namespace fsdp::rendezvous {
 namespace {
 
 using namespace std::chrono_literals;
-using Bytes = std::vector<std::uint8_t>;
+using fsdp::testing::pytorch_wire::Bytes;
 
-// PyTorch 1.13's TCPStore requests (opcode, then u64-length strings), which need no handshake.
-Bytes str(const std::string& s) {
-  Bytes out;
-  for (int i = 0; i < 8; ++i) out.push_back(static_cast<std::uint8_t>(s.size() >> (8 * i)));
-  out.insert(out.end(), s.begin(), s.end());
-  return out;
-}
+using fsdp::testing::pytorch_wire::str;
+// PyTorch 1.13's TCPStore requests need no handshake.
+const auto pytorchSet = fsdp::testing::pytorch_wire::set113;
+const auto pytorchGets = fsdp::testing::pytorch_wire::gets113;
 
-Bytes pytorchSet(const std::string& key, const std::string& value) {
-  Bytes out{0};
-  for (const auto& f : {str(key), str(value)}) out.insert(out.end(), f.begin(), f.end());
-  return out;
-}
-
-Bytes pytorchGets(const std::string& key, int times) {
-  Bytes one{2};
-  const auto k = str(key);
-  one.insert(one.end(), k.begin(), k.end());
-  Bytes out;
-  for (int i = 0; i < times; ++i) out.insert(out.end(), one.begin(), one.end());
-  return out;
-}
-
-// A connection whose receive buffer is small, so the kernel absorbs little of what it is sent.
 int smallReceiveBufferConnection(std::uint16_t port) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  const int size = 4096;
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &size, sizeof(size));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(port);
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    ::close(fd);
-    return -1;
-  }
-  return fd;
+  return fsdp::testing::connectLoopback(port, std::chrono::seconds(5), /*receiveBuffer=*/4096);
 }
 
 void sendAll(int fd, const Bytes& bytes) {
@@ -69,6 +40,13 @@ void sendAll(int fd, const Bytes& bytes) {
     ASSERT_GT(n, 0) << "send failed";
     sent += static_cast<std::size_t>(n);
   }
+}
+
+std::string describe(const ServerStats& s) {
+  return "stalled " + std::to_string(s.connectionsStalled) + ", queued " +
+         std::to_string(s.queuedBytes) + " bytes (peak " + std::to_string(s.queuedBytesPeak) +
+         "), slow readers closed " + std::to_string(s.slowReadersClosed) + ", open " +
+         std::to_string(s.connectionsOpen);
 }
 
 // Polls the server's counters until `done` holds (the server thread updates them), up to 30 s.
@@ -105,10 +83,10 @@ TEST(SlowReaders, HundredClientsThatNeverReadAreStalledAndHoldABoundedAmount) {
   const auto stalled = waitForStats(
       server, [&](const ServerStats& s) { return s.connectionsStalled == kClients; });
   ASSERT_EQ(stalled.connectionsStalled, static_cast<std::uint64_t>(kClients))
-      << "every client that reads nothing is not read either";
+      << "every client that reads nothing is not read either: " << describe(stalled);
   // Past the total cap only connections with nothing unread are read, and each adds one reply.
   const std::size_t bound = kTotalCap + kClients * (kValue + 64);
-  EXPECT_LE(stalled.queuedBytesPeak, bound);
+  EXPECT_LE(stalled.queuedBytesPeak, bound) << describe(stalled);
   EXPECT_GT(stalled.queuedBytes, 0u);
 
   // Everyone else is served meanwhile: our protocol and PyTorch's.
@@ -129,7 +107,8 @@ TEST(SlowReaders, HundredClientsThatNeverReadAreStalledAndHoldABoundedAmount) {
   std::vector<std::uint8_t> buf(1 << 16);
   while (got < want) {
     const auto n = ::read(first, buf.data(), std::min(buf.size(), want - got));
-    ASSERT_GT(n, 0) << "after " << got << " of " << want << " bytes";
+    ASSERT_GT(n, 0) << "after " << got << " of " << want << " bytes; "
+                    << describe(server.stats());
     got += static_cast<std::size_t>(n);
   }
   ::close(first);
@@ -140,8 +119,9 @@ TEST(SlowReaders, HundredClientsThatNeverReadAreStalledAndHoldABoundedAmount) {
       waitForStats(server, [](const ServerStats& s) {
         return s.queuedBytes == 0 && s.connectionsStalled == 0;
       });
-  EXPECT_EQ(after.queuedBytes, 0u) << "the replies of closed connections are freed";
-  EXPECT_EQ(after.connectionsStalled, 0u);
+  EXPECT_EQ(after.queuedBytes, 0u) << "the replies of closed connections are freed: "
+                                    << describe(after);
+  EXPECT_EQ(after.connectionsStalled, 0u) << describe(after);
 }
 
 TEST(SlowReaders, AClientThatReadsNothingForTheFrameTimeoutIsClosed) {
