@@ -26,8 +26,8 @@
 #include "fsdp/rendezvous/rdzv_client.hpp"
 #include "fsdp/rendezvous/store_proxy.hpp"
 #include "fsdp/rendezvous/store_server.hpp"
-#include "guardian.hpp"
-#include "worker_group.hpp"
+#include "../workers/guardian.hpp"
+#include "../workers/worker_group.hpp"
 
 namespace fsdp::launcher {
 namespace {
