@@ -1,0 +1,207 @@
+// Loading the newest checkpoint: checking it fits the model, resharding saved flat parameters
+// onto this world's shard layout, optimizer state, buffers and the CPU RNG state.
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/optim/optimizer.h>
+
+#include <algorithm>
+#include <set>
+#include <sstream>
+
+#include "checkpoint_internal.hpp"
+#include "fsdp/worker/runtime.hpp"
+
+namespace fsdp::worker {
+
+using namespace detail;
+
+namespace {
+
+// Checks that the model's parameters are the checkpoint's: the same names, shapes and dtypes.
+void checkModelFits(const Manifest& m, const ShardLayout& layout) {
+  std::set<std::string> seen;
+  for (const auto& flat : layout.flats) {
+    for (const auto& p : flat.params) {
+      const auto it = m.params.find(p.name);
+      if (it == m.params.end()) {
+        throw ConfigError("checkpoint " + m.path + " does not fit this model: it has no parameter '" +
+                          p.name + "' (wrong model?)");
+      }
+      if (it->second.shape != p.shape) {
+        std::ostringstream text;
+        text << "checkpoint " << m.path << " does not fit this model: parameter '" << p.name
+             << "' has shape " << at::IntArrayRef(it->second.shape) << " there but "
+             << at::IntArrayRef(p.shape) << " here";
+        throw ConfigError(text.str());
+      }
+      const auto dtype = m.flatDtype[static_cast<std::size_t>(it->second.flat)];
+      if (dtype != dtypeName(flat.shard.scalar_type())) {
+        throw ConfigError("checkpoint " + m.path + " does not fit this model: parameter '" + p.name +
+                          "' is " + dtype + " there but " + dtypeName(flat.shard.scalar_type()) + " here");
+      }
+      seen.insert(p.name);
+    }
+  }
+  for (const auto& name : m.paramOrder) {
+    if (!seen.contains(name)) {
+      throw ConfigError("checkpoint " + m.path + " does not fit this model: the model has no parameter '" +
+                        name + "' (wrong model?)");
+    }
+  }
+}
+
+// Fills `dst` (this rank's shard layout of one flat parameter) with `what` from the checkpoint.
+// Parameters that lie back to back in the same saved flat parameter are read as one range, so
+// at the saved layout every read is a whole block (and its CRC is checked).
+void fillShard(Reader& reader, const Manifest& m, const FlatParamInfo& flat, const std::string& what,
+               const at::Tensor& dst) {
+  const std::size_t elementBytes = dst.element_size();
+  auto* base = static_cast<char*>(dst.data_ptr());
+  const std::int64_t a = flat.shardOffset;
+  const std::int64_t b = std::min(flat.shardOffset + flat.shardNumel, flat.numel);
+  struct Range {
+    int oldFlat;
+    std::int64_t oldStart;
+    std::int64_t length;
+    std::int64_t dstStart;  // in elements of dst
+  };
+  std::vector<Range> ranges;
+  for (const auto& p : flat.params) {
+    const std::int64_t lo = std::max(a, p.offset);
+    const std::int64_t hi = std::min(b, p.offset + p.numel);
+    if (lo >= hi) continue;
+    const auto& saved = m.params.at(p.name);
+    const Range r{saved.flat, saved.offset + (lo - p.offset), hi - lo, lo - a};
+    if (!ranges.empty()) {
+      auto& last = ranges.back();
+      if (last.oldFlat == r.oldFlat && last.oldStart + last.length == r.oldStart &&
+          last.dstStart + last.length == r.dstStart) {
+        last.length += r.length;
+        continue;
+      }
+    }
+    ranges.push_back(r);
+  }
+  for (const auto& r : ranges) {
+    reader.flatRange(r.oldFlat, what, r.oldStart, r.length, base + static_cast<std::size_t>(r.dstStart) * elementBytes,
+                     elementBytes);
+  }
+}
+
+}  // namespace
+
+std::optional<TrainingProgress> Checkpointer::loadLatest(FullyShardedDataParallel& model,
+                                                         torch::optim::Optimizer* optimizer) {
+  wait();
+  // Rank 0 picks, everyone loads the same one (a directory listing may lag on shared disks).
+  std::int64_t chosen = -1;
+  if (runtime_.rank() == 0) {
+    if (const auto newest = newestCheckpoint(options_.dir)) {
+      chosen = std::stoll(fs::path(*newest).filename().string().substr(5));
+    }
+  }
+  auto pick = at::full({1}, chosen, at::kLong);
+  runtime_.cpuComm().broadcast(pick, 0).wait();
+  chosen = pick.item<std::int64_t>();
+  if (chosen < 0) return std::nullopt;
+  const std::string path = options_.dir + "/" + stepDirName(chosen);
+
+  // Everything is read and checked into new tensors first, and every rank learns whether every
+  // other rank could: a bad file on one rank leaves the model as it was on all of them.
+  const ShardLayout layout = model->shardLayout();
+  std::string kind;
+  std::vector<at::Tensor> shards;
+  std::vector<std::optional<OptimizerState>> states;
+  std::map<std::string, at::Tensor> buffers;
+  std::optional<at::Tensor> rng;
+  std::optional<Manifest> manifest;
+  TrainingProgress progress;
+  std::vector<double> groupLrs;
+  std::string failure;
+  at::NoGradGuard noGrad;
+  try {
+    manifest.emplace(readManifest(path));
+    const Manifest& m = *manifest;
+    checkModelFits(m, layout);
+    progress.step = m.meta.at("step").get<std::int64_t>();
+    progress.position = {m.meta.at("epoch").get<int>(), m.meta.at("step_in_epoch").get<std::int64_t>()};
+    progress.seed = m.meta.at("seed").get<std::uint64_t>();
+    progress.extraJson = m.meta.value("extra", json::object()).dump();
+    if (m.meta.contains("optimizer") && m.meta["optimizer"].is_object() &&
+        m.meta["optimizer"].contains("param_groups")) {
+      for (const auto& group : m.meta["optimizer"]["param_groups"]) groupLrs.push_back(group.at("lr").get<double>());
+    }
+    if (optimizer != nullptr) {
+      kind = optimizerKind(*optimizer);
+      if (!m.optimizerKind.empty() && m.optimizerKind != kind) {
+        throw ConfigError("checkpoint " + path + " holds " + m.optimizerKind +
+                          " optimizer state, but the optimizer is " + kind);
+      }
+    }
+    Reader reader(m);
+    const auto stateNames = optimizer == nullptr ? std::vector<std::string>{} : optimizerStateNames(m);
+    for (const auto& flat : layout.flats) {
+      auto values = at::zeros_like(flat.shard.detach(), at::TensorOptions().device(at::kCPU));
+      fillShard(reader, m, flat, "param", values);
+      shards.push_back(values);
+      OptimizerState st;
+      for (const auto& name : stateNames) {
+        auto t = at::zeros_like(values);
+        fillShard(reader, m, flat, "optim/" + name, t);
+        st.tensors[name] = t.to(flat.shard.device());
+      }
+      // Scalars (Adam's step) from the old flat parameter that held this one's first parameter.
+      if (optimizer != nullptr && !flat.params.empty()) {
+        const int oldFlat = m.params.at(flat.params.front().name).flat;
+        if (static_cast<std::size_t>(oldFlat) < m.scalars.size()) st.scalars = m.scalars[static_cast<std::size_t>(oldFlat)];
+      }
+      if (!st.tensors.empty() || !st.scalars.empty()) {
+        states.emplace_back(std::move(st));
+      } else {
+        states.emplace_back();
+      }
+    }
+    buffers = readBuffers(reader, m);
+    if (m.meta.at("world_size").get<int>() == runtime_.worldSize() && runtime_.rank() < m.files) {
+      for (const auto& b : m.blocks[static_cast<std::size_t>(runtime_.rank())]) {
+        if (b.what != "rng/cpu") continue;
+        rng = reader.blockTensor(runtime_.rank(), b, {static_cast<std::int64_t>(b.bytes)}, at::kByte);
+      }
+    }
+  } catch (const Error& e) {  // ConfigError, and I/O errors: either way the load is refused
+    failure = e.what();
+  } catch (const json::exception& e) {
+    failure = "checkpoint " + path + "/metadata.json is malformed: " + e.what();
+  }
+  const std::string errorKey = runtime_.roundPrefix() + "ckpt/load/" + std::to_string(chosen) + "/error";
+  if (!failure.empty()) runtime_.store().set(errorKey, failure);
+  auto failed = at::full({1}, failure.empty() ? 0.0 : 1.0, at::kDouble);
+  runtime_.cpuComm().allReduce(failed, ReduceOp::kMax).wait();
+  if (failed.item<double>() > 0) {
+    if (failure.empty()) failure = runtime_.store().get(errorKey);
+    throw ConfigError(failure);
+  }
+
+  // All read and checked: now change the model, the optimizer, the RNG.
+  for (std::size_t f = 0; f < layout.flats.size(); ++f) {
+    layout.flats[f].shard.detach().copy_(shards[f]);
+    if (optimizer != nullptr && states[f]) writeState(*optimizer, kind, layout.flats[f].shard, *states[f]);
+  }
+  for (const auto& item : model->module()->named_buffers()) {
+    const auto it = buffers.find(item.key());
+    if (it != buffers.end()) item.value().detach().copy_(it->second);
+  }
+  if (optimizer != nullptr) {
+    auto& mine = optimizer->param_groups();
+    for (std::size_t g = 0; g < std::min(groupLrs.size(), mine.size()); ++g) mine[g].options().set_lr(groupLrs[g]);
+  }
+  if (rng) {
+    at::Generator generator = at::detail::getDefaultCPUGenerator();  // a handle to the default
+    std::scoped_lock lock(generator.mutex());
+    generator.set_state(*rng);
+    progress.rngRestored = true;
+  }
+  runtime_.cpuComm().barrier().wait();
+  return progress;
+}
+
+}  // namespace fsdp::worker

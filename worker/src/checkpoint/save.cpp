@@ -1,0 +1,175 @@
+// The Checkpointer's lifecycle and save: each rank writes its shards, RNG state (rank 0 also
+// buffers and metadata), synchronously or on its writer thread, then rank 0 commits.
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/optim/optimizer.h>
+
+#include <algorithm>
+#include <set>
+
+#include "checkpoint_internal.hpp"
+#include "fsdp/common/log.hpp"
+#include "fsdp/worker/runtime.hpp"
+
+namespace fsdp::worker {
+
+using namespace detail;
+
+// ---- Checkpointer -------------------------------------------------------------------------
+
+Checkpointer::Checkpointer(Runtime& runtime, CheckpointOptions options)
+    : runtime_(runtime), options_(std::move(options)) {
+  std::error_code ec;
+  fs::create_directories(options_.dir, ec);
+  if (ec || !fs::is_directory(options_.dir)) {
+    throw ConfigError("--checkpoint_dir '" + options_.dir + "': cannot create it (" +
+                      (ec ? ec.message() : "not a directory") + ")");
+  }
+}
+
+Checkpointer::~Checkpointer() {
+  if (writer_.joinable()) writer_.join();
+  if (writerError_) {
+    try {
+      std::rethrow_exception(writerError_);
+    } catch (const std::exception& e) {
+      log::error("an asynchronous checkpoint save failed: {}", e.what());
+    }
+  }
+}
+
+void Checkpointer::wait() {
+  if (writer_.joinable()) writer_.join();
+  if (writerError_) std::rethrow_exception(std::exchange(writerError_, nullptr));
+}
+
+void Checkpointer::save(FullyShardedDataParallel& model, torch::optim::Optimizer* optimizer,
+                        const TrainingProgress& progress) {
+  wait();  // one save at a time, and their errors surface here
+  const ShardLayout layout = model->shardLayout();
+  const int rank = runtime_.rank();
+  const int world = runtime_.worldSize();
+  const std::string kind = optimizer != nullptr ? optimizerKind(*optimizer) : "";
+  at::NoGradGuard noGrad;
+
+  // What this rank writes: its shards (primary replica only), its RNG, rank 0's buffers.
+  RankPlan plan;
+  plan.rank = rank;
+  json scalars = json::array();
+  std::set<std::string> stateNames;
+  for (std::size_t f = 0; f < layout.flats.size(); ++f) {
+    const auto& flat = layout.flats[f];
+    const std::int64_t valid =
+        std::max<std::int64_t>(0, std::min(flat.shardNumel, flat.numel - flat.shardOffset));
+    std::optional<OptimizerState> state;
+    if (optimizer != nullptr) state = readState(*optimizer, kind, flat.shard);
+    json flatScalars = json::object();
+    if (state) {
+      for (const auto& [name, value] : state->scalars) flatScalars[name] = value;
+    }
+    scalars.push_back(flatScalars);
+    if (!layout.primaryReplica || valid == 0) continue;
+    addBlock(plan, {.flat = static_cast<int>(f), .what = "param", .start = flat.shardOffset, .count = valid},
+             flat.shard.detach().narrow(0, 0, valid), options_.async);
+    if (state) {
+      for (const auto& [name, tensor] : state->tensors) {
+        stateNames.insert(name);
+        addBlock(plan, {.flat = static_cast<int>(f), .what = "optim/" + name, .start = flat.shardOffset, .count = valid},
+                 tensor.narrow(0, 0, valid), options_.async);
+      }
+    }
+  }
+  addBlock(plan, {.what = "rng/cpu"}, at::detail::getDefaultCPUGenerator().get_state(), options_.async);
+  if (rank == 0) {
+    for (const auto& item : model->module()->named_buffers()) {
+      Block b{.what = "buffer/" + item.key()};
+      b.shape = item.value().sizes().vec();
+      addBlock(plan, b, item.value().detach(), options_.async);
+    }
+  }
+
+  // Rank 0 also prepares the metadata that does not depend on the other ranks.
+  json meta;
+  if (rank == 0) {
+    json flats = json::array();
+    for (const auto& flat : layout.flats) {
+      json params = json::array();
+      for (const auto& p : flat.params) {
+        params.push_back({{"name", p.name}, {"shape", p.shape}, {"offset", p.offset}, {"numel", p.numel}});
+      }
+      flats.push_back({{"unit", flat.unit},
+                       {"numel", flat.numel},
+                       {"dtype", dtypeName(flat.shard.scalar_type())},
+                       {"requires_grad", flat.requiresGrad},
+                       {"params", params}});
+    }
+    json groups = json::array();
+    if (optimizer != nullptr) {
+      for (const auto& g : optimizer->param_groups()) groups.push_back({{"lr", g.options().get_lr()}});
+    }
+    meta = {{"format", kFormat},
+            {"format_version", kFormatVersion},
+            {"library_version", kLibraryVersion},
+            {"world_size", world},
+            {"shard_size", layout.shardSize},
+            {"strategy", toString(model->options().strategy)},
+            {"step", progress.step},
+            {"epoch", progress.position.epoch},
+            {"step_in_epoch", progress.position.step},
+            {"seed", progress.seed},
+            {"extra", json::parse(progress.extraJson, nullptr, false)},
+            {"flats", flats},
+            {"optimizer", optimizer == nullptr ? json(nullptr)
+                                               : json{{"kind", kind},
+                                                      {"state", std::vector<std::string>(stateNames.begin(), stateNames.end())},
+                                                      {"scalars", scalars},
+                                                      {"param_groups", groups}}}};
+    if (meta["extra"].is_discarded()) meta["extra"] = json::object();
+  }
+
+  const std::string dir = options_.dir;
+  const std::string finalDir = dir + "/" + stepDirName(progress.step);
+  const std::string tmp = dir + "/." + stepDirName(progress.step) + ".tmp.r" + std::to_string(runtime_.env().round);
+  const std::string keyPrefix = runtime_.roundPrefix() + "ckpt/" + std::to_string(progress.step) + "/";
+  auto& store = runtime_.store();
+  const auto timeout = options_.timeout;
+  const int keep = options_.keep;
+
+  auto work = [plan = std::move(plan), meta = std::move(meta), dir, finalDir, tmp, keyPrefix, rank,
+               world, timeout, keep, &store]() mutable {
+    std::error_code ec;
+    fs::create_directories(tmp, ec);
+    if (ec) throw Error("checkpoint: cannot create " + tmp + ": " + ec.message());
+    writeRankFile(tmp + "/" + rankFileName(rank), plan);
+    // The block list travels through the store: rank 0 may not see the other ranks' disks'
+    // caches yet, and it needs no extra file.
+    store.set(keyPrefix + "files/" + std::to_string(rank), rankFileJson(plan).dump());
+    if (rank != 0) {
+      store.add(keyPrefix + "written", 1);
+      return;
+    }
+    store.addAndWait(keyPrefix + "written", 1, world, timeout);
+    json files = json::array();
+    for (int r = 0; r < world; ++r) {
+      json file = json::parse(store.get(keyPrefix + "files/" + std::to_string(r), timeout));
+      file["file"] = rankFileName(r);
+      files.push_back(std::move(file));
+    }
+    meta["files"] = std::move(files);
+    writeFileDurably(tmp + "/metadata.json", meta.dump(1));
+    commit(dir, tmp, finalDir, keep);
+  };
+
+  if (!options_.async) {
+    work();
+    return;
+  }
+  writer_ = std::thread([this, work = std::move(work)]() mutable {
+    try {
+      work();
+    } catch (...) {
+      writerError_ = std::current_exception();
+    }
+  });
+}
+
+}  // namespace fsdp::worker

@@ -1,0 +1,52 @@
+// Rank (shard) files: laying out a rank's blocks, writing them with their CRCs, their block
+// list for the metadata, and reading the saved module buffers back (Reader is in the header).
+#include "checkpoint_internal.hpp"
+
+namespace fsdp::worker::detail {
+
+// The module buffers rank 0 saved, by name.
+std::map<std::string, at::Tensor> readBuffers(Reader& reader, const Manifest& m) {
+  std::map<std::string, at::Tensor> buffers;
+  if (m.blocks.empty()) return buffers;
+  for (const auto& b : m.blocks[0]) {
+    if (!b.what.starts_with("buffer/")) continue;
+    buffers[b.what.substr(7)] = reader.blockTensor(0, b, b.shape, parseDtype(b.dtype, m.path));
+  }
+  return buffers;
+}
+
+void addBlock(RankPlan& plan, Block b, at::Tensor data, bool copy) {
+  // One copy at most: a device tensor's copy to the host is already the snapshot.
+  data = data.to(at::kCPU, data.scalar_type(), /*non_blocking=*/false, /*copy=*/copy).contiguous();
+  b.bytes = static_cast<std::uint64_t>(data.numel()) * data.element_size();
+  if (b.dtype.empty()) b.dtype = dtypeName(data.scalar_type());
+  plan.blocks.push_back(std::move(b));
+  plan.data.push_back(std::move(data));
+}
+
+// Writes a rank's file (fsync'ed); fills offsets and CRCs of its blocks.
+void writeRankFile(const std::string& path, RankPlan& plan) {
+  File out(path, O_WRONLY | O_CREAT | O_TRUNC);
+  std::uint64_t offset = 0;
+  for (std::size_t i = 0; i < plan.blocks.size(); ++i) {
+    auto& b = plan.blocks[i];
+    const auto* bytes = plan.data[i].data_ptr();
+    b.offset = offset;
+    b.crc = crc32Of(bytes, b.bytes);
+    out.writeAll(bytes, b.bytes);
+    offset += b.bytes;
+  }
+  out.sync();
+}
+
+json rankFileJson(const RankPlan& plan) {
+  std::uint64_t bytes = 0;
+  json blocks = json::array();
+  for (const auto& b : plan.blocks) {
+    blocks.push_back(blockJson(b));
+    bytes += b.bytes;
+  }
+  return json{{"rank", plan.rank}, {"bytes", bytes}, {"blocks", blocks}};
+}
+
+}  // namespace fsdp::worker::detail
