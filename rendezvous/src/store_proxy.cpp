@@ -134,15 +134,17 @@ struct ProxyClient : std::enable_shared_from_this<ProxyClient> {
   void send(std::vector<std::uint8_t> frame) {
     if (closed) return;
     if (!out.write(std::move(frame), shared_from_this())) {
-      if (out.unwritten() > kMaxQueuedBytes) {
+      if (out.unwritten() > out.maxQueued) {
         log::warn("store proxy: closing local client of stream {}: {} bytes of replies unread",
                   stream, out.unwritten());
+        ++*slowReadersClosed;
       }
       close();
     }
   }
   // The reader waits here while the client's unread replies are over the bound.
   asio::steady_timer* room = nullptr;
+  std::uint64_t* slowReadersClosed = nullptr;  // the proxy's counter
   void closeAfterFlush() {
     if (!out.writing()) {
       close();
@@ -240,6 +242,7 @@ struct StoreProxy::Impl {
       // A client that reads its replies slower than this is not reading them.
       client->out.maxQueued = 4 * options.maxUnreadBytes + options.limits.maxValueBytes;
       client->out.writeTimeout = options.unreadTimeout;
+      client->slowReadersClosed = &stats.slowReadersClosed;
       client->out.onStalled = [this, c = client.get()] {
         log::warn("store proxy: closing local client of stream {}: it read none of its replies "
                   "for {} ms",

@@ -53,6 +53,10 @@ void Session::closeAfterFlush() {
   }
 }
 
+void Session::wakeRoom() {
+  if (room_) room_->cancel();
+}
+
 void Session::close() {
   if (closed_) return;
   closed_ = true;
@@ -70,7 +74,10 @@ void Session::write(std::vector<std::uint8_t> frame) {
   if (outbox_.empty() && !writing_) {
     boost::system::error_code ec;
     const std::size_t n = socket_.write_some(asio::buffer(frame), ec);
-    if (!ec && n == frame.size()) return;
+    if (!ec && n == frame.size()) {
+      if (room_) room_->cancel();  // a reader stalled on held bytes re-checks
+      return;
+    }
     if (ec && ec != asio::error::would_block && ec != asio::error::try_again) {
       close();
       return;
@@ -107,9 +114,13 @@ void Session::queue(std::vector<std::uint8_t> frame) {
 }
 
 void Session::dequeue() {
+  const std::size_t total = server_.options.maxQueuedBytesTotal;
+  const bool wasOver = total > 0 && server_.queuedBytes > total;
   queuedBytes_ -= outbox_.front().size();
   server_.queuedBytes -= outbox_.front().size();
   outbox_.erase(outbox_.begin());
+  // Back under the server-wide cap: every connection stalled by it may read again.
+  if (wasOver && server_.queuedBytes <= total) server_.wakeStalled();
 }
 
 bool Session::overCap() const {
@@ -132,7 +143,7 @@ awaitable<void> Session::writer([[maybe_unused]] std::shared_ptr<Session> self) 
                 peer(), server_.options.frameTimeout.count());
       ++server_.stats.slowReadersClosed;
       close();
-    } else if (std::get<0>(std::get<0>(result))) {
+    } else if (result.index() == 0 && std::get<0>(std::get<0>(result))) {
       close();  // the peer went away
     }
     if (!outbox_.empty()) dequeue();
@@ -152,11 +163,14 @@ awaitable<bool> Session::waitForRoom() {
     co_await asio::post(socket_.get_executor(), kUseAwaitable);
   }
   if (!overCap()) co_return !closed_;
-  // What the reader held goes out (or into the queue) first: the client may be reading.
+  // What the reader held goes out (or into the queue) first, and what is pushed while it
+  // waits leaves at once: the client may be reading, and must be able to catch up.
+  holding_ = false;
   if (!held_.empty()) write(std::exchange(held_, {}));
   if (!room_) room_ = std::make_unique<asio::steady_timer>(socket_.get_executor());
   const auto deadline = asio::steady_timer::clock_type::now() + server_.options.frameTimeout;
   ++server_.stats.connectionsStalled;
+  server_.stalled.insert(id_);
   while (!closed_ && overCap()) {
     room_->expires_at(deadline);
     auto [ec] = co_await room_->async_wait(asio::as_tuple(kUseAwaitable));
@@ -173,6 +187,7 @@ awaitable<bool> Session::waitForRoom() {
     }
   }
   --server_.stats.connectionsStalled;
+  server_.stalled.erase(id_);
   co_return !closed_;
 }
 

@@ -146,6 +146,7 @@ class FieldReader {
                          "a TCPStore request");
     }
   }
+  std::uint64_t maxKeyBytes() const { return limits_.maxKeyBytes; }
   // The next u64 without consuming it.
   awaitable<std::uint64_t> peekU64() {
     std::array<std::uint8_t, 8> b{};
@@ -339,6 +340,7 @@ awaitable<Dialect> decideLegacy(FieldReader& in, std::uint8_t code, bool sentReq
   if (code != 8) co_return Dialect::kUndecided;
   // Look past the key without consuming it.
   const auto keyLength = co_await in.peekU64();
+  if (keyLength > in.maxKeyBytes()) co_return Dialect::kV113;  // refused as a key either way
   co_return (co_await in.bytesFollow(8 + keyLength)) ? Dialect::kV21 : Dialect::kV113;
 }
 
@@ -353,7 +355,8 @@ awaitable<void> servePytorchDialect(tcp::socket& socket, std::vector<std::uint8_
   FieldReader in(socket, limits);
   const std::uint8_t first = initial.at(0);
   in.pushBack(std::vector<std::uint8_t>(initial.begin() + 1, initial.end()));
-  auto state = std::make_shared<ConnectionState>(ConnectionState{store, send, std::nullopt, true});
+  auto state = std::make_shared<ConnectionState>(
+      ConnectionState{.store = store, .send = send, .wait = std::nullopt, .waits = 0, .alive = true});
   struct Finish {
     std::shared_ptr<ConnectionState>& state;
     ~Finish() {

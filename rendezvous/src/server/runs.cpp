@@ -35,6 +35,12 @@ Run& StoreServer::Impl::bindRun(const std::string& id) {
   return *slot;
 }
 
+void StoreServer::Impl::wakeStalled() {
+  for (const AgentId id : stalled) {
+    if (const auto it = sessions.find(id); it != sessions.end()) it->second->wakeRoom();
+  }
+}
+
 void StoreServer::Impl::rearm(Run& run) {
   const auto next = run.rounds.nextDeadline();
   // RoundState's clock is std::chrono::steady_clock, the same as the timer's.

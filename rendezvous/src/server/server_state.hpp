@@ -11,6 +11,7 @@
 #include <deque>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -79,6 +80,9 @@ struct StoreServer::Impl {
   boost::asio::steady_timer sweep{io};
   ServerStats stats;
   std::size_t queuedBytes = 0;  // what every session's outbox holds
+  std::set<AgentId> stalled;    // sessions whose readers wait for their clients to read
+  // Wakes every stalled session's reader to re-check (the server-wide cap was left).
+  void wakeStalled();
   std::unordered_map<AgentId, Session*> sessions;
   AgentId nextSession = 1;
   std::thread thread;
@@ -116,6 +120,8 @@ class Session : public std::enable_shared_from_this<Session> {
   // Closes once everything queued has been written.
   void closeAfterFlush();
   void close();
+  // Makes a reader that waits for its client to read re-check now.
+  void wakeRoom();
 
   AgentId id() const { return id_; }
   bool writing() const { return writing_; }

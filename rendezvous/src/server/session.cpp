@@ -209,9 +209,14 @@ void Session::dispatch(std::uint16_t number, Request req, std::size_t bytes) {
     return;
   }
   // A stream's client sends while its request waits (legal, and bounded): past the cap it is
-  // ended, not the connection (the proxy's other clients keep being served).
-  const std::size_t cap = server_.options.maxQueuedBytes;
-  if (cap > 0 && stream->queuedBytes + bytes > cap) {
+  // ended, not the connection (the proxy's other clients keep being served). The cap is at
+  // least one largest frame, so that a single large request is never refused for its size.
+  const std::size_t cap =
+      server_.options.maxQueuedBytes == 0
+          ? 0
+          : std::max<std::size_t>(server_.options.maxQueuedBytes,
+                                  server_.options.limits.maxBodyBytes + kHeaderSize);
+  if (cap > 0 && stream->busy && stream->queuedBytes + bytes > cap) {
     log::warn(
         "store server: ending stream {} of {}: {} bytes of requests queued behind a waiting "
         "one, over the cap of {} bytes",

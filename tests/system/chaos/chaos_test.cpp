@@ -180,6 +180,7 @@ TEST(Chaos, AnElasticJobUnderRandomKillsAndFreezesFinishesWithTheUndisturbedResu
   env.push_back("FSDP_LOG_LEVEL=info");
   env.push_back("TMPDIR=" + dir.path() + "/tmp");
   env.push_back("OMP_NUM_THREADS=1");
+  env.push_back("FSDPRUN_BACKEND=gloo");  // as the reference run below, on any host
   std::vector<std::unique_ptr<Node>> nodes;
   for (int i = 0; i < kNodes; ++i) {
     std::vector<std::string> args = {

@@ -164,7 +164,8 @@ Bytes onStream(Request req, std::uint16_t stream) {
 // A multiplexed stream (a proxy's client) that keeps sending behind a request that waits is
 // ended past the cap; its connection and the other streams go on.
 TEST(SlowReaders, AStreamThatQueuesPastTheCapIsEndedAndItsNeighboursGoOn) {
-  StoreServer server({.maxQueuedBytes = 64u << 10});
+  // The stream cap is the larger of maxQueuedBytes and one largest frame: both small here.
+  StoreServer server({.limits = {.maxBodyBytes = 16u << 10}, .maxQueuedBytes = 64u << 10});
   const int fd = fsdp::testing::connectLoopback(server.port());
   Bytes opening = encodeRequest({.op = Op::kHello, .keys = {"job"}});
   const auto mux = encodeRequest({.op = Op::kMux});
