@@ -37,6 +37,8 @@ std::string selfExe();
 // A TCP port free on 127.0.0.1 now (port 0 bound, read back, closed).
 std::uint16_t freePort();
 
+// A field of /proc/<pid>/status given in kB ("VmRSS:", "VmHWM:"), in MB; 0 when absent.
+double procStatusMb(int pid, const std::string& field);
 // Median and percentiles of samples (sorted in place).
 double percentile(std::vector<double>& samples, double p);
 

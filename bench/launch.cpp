@@ -90,15 +90,6 @@ class RunDir {
   std::string path_;
 };
 
-long long peakRssKb(int pid) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.starts_with("VmHWM:")) return std::stoll(line.substr(6));
-  }
-  return 0;
-}
-
 struct JobRun {
   bool ok = false;
   long long startNs = 0;      // just before the first launcher was spawned
@@ -123,7 +114,7 @@ JobRun runJob(const std::vector<std::vector<std::string>>& commands, const RunDi
     children.push_back(ChildProcess::spawn(options));
   }
   run.lastSpawnNs = nowNs();
-  std::vector<long long> peaks(children.size(), 0);
+  std::vector<double> peaks(children.size(), 0);  // MB
   const auto deadline = Clock::now() + limit;
   std::size_t done = 0;
   while (done < children.size() && Clock::now() < deadline) {
@@ -133,7 +124,7 @@ JobRun runJob(const std::vector<std::vector<std::string>>& commands, const RunDi
         ++done;
         continue;
       }
-      if (sampleRss) peaks[i] = std::max(peaks[i], peakRssKb(children[i].pid()));
+      if (sampleRss) peaks[i] = std::max(peaks[i], procStatusMb(children[i].pid(), "VmHWM:"));
       if (children[i].tryWait()) ++done;
     }
     if (done < children.size()) {
@@ -159,7 +150,7 @@ JobRun runJob(const std::vector<std::vector<std::string>>& commands, const RunDi
       run.error = (status ? describeWaitStatus(*status) : std::string("timed out")) + ": " +
                   all.substr(all.size() > 300 ? all.size() - 300 : 0);
     }
-    run.peakRssMb.push_back(static_cast<double>(peaks[i]) / 1024.0);
+    run.peakRssMb.push_back(peaks[i]);
   }
   run.stamps = readStamps(dir.path());
   return run;

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <fstream>
 #include <cerrno>
 #include <iostream>
 
@@ -44,6 +45,15 @@ std::string selfExe() {
   if (n <= 0) throwErrno("readlink /proc/self/exe", errno);
   path.resize(static_cast<std::size_t>(n));
   return path;
+}
+
+double procStatusMb(int pid, const std::string& field) {
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.starts_with(field)) return std::stod(line.substr(field.size())) / 1024.0;
+  }
+  return 0;
 }
 
 double percentile(std::vector<double>& samples, double p) {

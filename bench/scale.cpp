@@ -106,15 +106,6 @@ class Helper {
   std::string buffer_;
 };
 
-double rssMb(int pid) {
-  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.rfind("VmRSS:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
-  }
-  return 0;
-}
-
 // CPU seconds (user + system) a process has used so far.
 double cpuSeconds(int pid) {
   std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
@@ -554,7 +545,7 @@ void rdzvJoin(const Args& args) {
   for (const long long agents : args.ints("agents", "100,1000,10000")) {
     ServerProcess server = startServer("fsdprun");
     const int processes = static_cast<int>(std::max(1LL, (agents + 4999) / 5000));
-    const double before = rssMb(server.helper->pid());
+    const double before = procStatusMb(server.helper->pid(), "VmRSS:");
     const double cpuBefore = cpuSeconds(server.helper->pid());
     const auto spread = runHelpers(split({exe, "rdzv_join_helper", std::to_string(server.port)},
                                          static_cast<int>(agents), processes),
@@ -564,7 +555,7 @@ void rdzvJoin(const Args& args) {
           {"client_processes", processes},
           {"first_join_to_last_assignment_s", spread.seconds},
           {"server_rss_mb_idle", before},
-          {"server_rss_mb", rssMb(server.helper->pid())},
+          {"server_rss_mb", procStatusMb(server.helper->pid(), "VmRSS:")},
           {"server_cpu_s", cpuSeconds(server.helper->pid()) - cpuBefore}});
   }
 }

@@ -92,28 +92,19 @@ void sendAll(int fd, const Bytes& bytes) {
   }
 }
 
-double statusMb(int pid, const std::string& field) {
-  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.rfind(field, 0) == 0) return std::stod(line.substr(field.size())) / 1024.0;
-  }
-  return 0;
-}
-
 // Waits until the server's RSS has not grown for a second (it has read what it will read),
 // at most 60 s; returns its peak RSS in MB.
 double settledPeakMb(int pid) {
-  double last = statusMb(pid, "VmRSS:");
+  double last = procStatusMb(pid, "VmRSS:");
   auto stableSince = Clock::now();
   const auto deadline = Clock::now() + 60s;
   while (Clock::now() - stableSince < 1s && Clock::now() < deadline) {
     std::this_thread::sleep_for(100ms);
-    const double now = statusMb(pid, "VmRSS:");
+    const double now = procStatusMb(pid, "VmRSS:");
     if (now > last + 1) stableSince = Clock::now();
     last = std::max(last, now);
   }
-  return statusMb(pid, "VmHWM:");
+  return procStatusMb(pid, "VmHWM:");
 }
 
 // `clients` clients each connect, add 1 to a counter and wait for it to reach `clients`: the
@@ -148,7 +139,7 @@ std::vector<std::string> capFlags(bool capped) {
 void slowReaders(int clients, int gets, std::size_t valueBytes, const std::string& scenario) {
   for (const bool capped : {false, true}) {
     Daemon server(capFlags(capped));
-    const double idle = statusMb(server.pid(), "VmRSS:");
+    const double idle = procStatusMb(server.pid(), "VmRSS:");
     const int writer = connectTo(server.port(), false);
     sendAll(writer, pytorchSet("big", std::string(valueBytes, 'v')));
     std::vector<int> fds;
@@ -247,7 +238,7 @@ void storeAbuse(const Args& args) {
     {
       Daemon server({});
       quiet.push_back(storeInitBarrier(server.port(), 100, "init"));
-      rssQuiet = std::max(rssQuiet, statusMb(server.pid(), "VmHWM:"));
+      rssQuiet = std::max(rssQuiet, procStatusMb(server.pid(), "VmHWM:"));
     }
     {
       Daemon server({});
