@@ -47,4 +47,12 @@ inline void addCheckpointFlags(CLI::App& app, std::string& dir, int& every) {
       ->check(CLI::NonNegativeNumber);
 }
 
+// --snapshot_every: in-memory snapshots held by fsdprun's agent (with --max_restarts > 0).
+inline void addSnapshotFlag(CLI::App& app, int& every) {
+  app.add_option("--snapshot_every,--snapshot-every", every,
+                 "Steps between in-memory snapshots a restart resumes from (0 = off; kept under fsdprun "
+                 "--max_restarts N > 0)")
+      ->check(CLI::NonNegativeNumber);
+}
+
 }  // namespace fsdp::examples

@@ -40,6 +40,7 @@ struct Flags {
   std::string metricsFile;
   std::string checkpointDir;
   int checkpointEvery = 0;
+  int snapshotEvery = 1;
   int gradAccumulation = 1;
 };
 
@@ -176,7 +177,8 @@ int run(const Flags& f) {
                          .metricsFile = f.metricsFile,
                          .progress = f.logEvery > 0 ? fsdp::ProgressStyle::kAuto : fsdp::ProgressStyle::kNone,
                          .checkpointDir = f.checkpointDir,
-                         .checkpointEvery = f.checkpointEvery});
+                         .checkpointEvery = f.checkpointEvery,
+                         .snapshotEvery = f.snapshotEvery});
   const auto result = trainer.fit(train, &val);
   if (rank == 0) {
     std::printf("step %lld: val_loss %.4f (unigram baseline %.4f) val_accuracy %.4f\n",
@@ -240,6 +242,7 @@ int main(int argc, char** argv) {
                "Recompute each block's forward during backward");
   app.add_option("--metrics_file,--metrics-file", f.metricsFile, "JSONL metrics written by rank 0");
   fsdp::examples::addCheckpointFlags(app, f.checkpointDir, f.checkpointEvery);
+  fsdp::examples::addSnapshotFlag(app, f.snapshotEvery);
   app.add_option("--grad_accumulation,--grad-accumulation", f.gradAccumulation, "Micro-batches per step")
       ->check(CLI::PositiveNumber);
   try {

@@ -43,6 +43,7 @@ struct Flags {
   bool noEval = false;
   std::string checkpointDir;
   int checkpointEvery = 0;
+  int snapshotEvery = 1;
   int keepCheckpoints = 3;
   bool asyncCheckpoint = false;
   std::string fullCheckpoint;
@@ -103,7 +104,8 @@ int run(const Flags& flags) {
                          .checkpointDir = flags.checkpointDir,
                          .checkpointEvery = flags.checkpointEvery,
                          .keepCheckpoints = flags.keepCheckpoints,
-                         .asyncCheckpoint = flags.asyncCheckpoint});
+                         .asyncCheckpoint = flags.asyncCheckpoint,
+                         .snapshotEvery = flags.snapshotEvery});
   // Test-only fault: the chosen rank SIGKILLs itself after a step, on the first attempt only.
   if (flags.faultKillAtStep > 0 && rt->rank() == flags.faultKillRank && rt->env().restartCount == 0) {
     trainer.afterStep = [&flags](std::int64_t step) {
@@ -125,6 +127,7 @@ int run(const Flags& flags) {
         {"backend", rt->comm().backendName()},
         {"steps", result.steps},
         {"resumed_from_step", result.resumedFrom ? nlohmann::json(*result.resumedFrom) : nlohmann::json(nullptr)},
+        {"resumed_source", result.resumedFrom ? nlohmann::json(result.resumedSource) : nlohmann::json(nullptr)},
         {"train_loss", result.trainLoss},
         {"test_accuracy", result.eval.accuracy},
         {"test_loss", result.eval.loss},
@@ -172,6 +175,7 @@ int main(int argc, char** argv) {
   app.add_flag("--no_dropout,--no-dropout", flags.noDropout, "Leave dropout out (benchmarks)");
   app.add_flag("--no_eval,--no-eval", flags.noEval, "Skip the test-set evaluation (benchmarks)");
   fsdp::examples::addCheckpointFlags(app, flags.checkpointDir, flags.checkpointEvery);
+  fsdp::examples::addSnapshotFlag(app, flags.snapshotEvery);
   app.add_option("--keep_checkpoints,--keep-checkpoints", flags.keepCheckpoints, "Checkpoints kept (0 = all)")
       ->check(CLI::NonNegativeNumber);
   app.add_flag("--async_checkpoint,--async-checkpoint", flags.asyncCheckpoint,

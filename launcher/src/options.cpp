@@ -11,6 +11,7 @@
 
 #include "fsdp/common/error.hpp"
 #include "fsdp/common/process.hpp"
+#include "fsdp/launcher/snapshot_keeper.hpp"
 #include "fsdp/slurm/slurm_env.hpp"
 
 namespace fsdp::launcher {
@@ -83,6 +84,10 @@ const Spec kSpecs[] = {
      kLaunch},
     {"shutdown_timeout", "--shutdown_timeout,--shutdown-timeout",
      "Seconds between the stop signal and SIGKILL", kLaunch},
+    {"snapshot_memory_limit", "--snapshot_memory_limit,--snapshot-memory-limit",
+     "Memory this node may hold in in-memory snapshots of its workers and its peer's (512M, 4G; "
+     "0 = no snapshots; default: a quarter of the RAM). Kept only with --max_restarts > 0",
+     kLaunch},
     {"no_slurm", "--no_slurm,--no-slurm", "Ignore the SLURM_* environment", kLaunch, true},
     {"dry_run", "--dry_run,--dry-run",
      "Print the resolved configuration, with where each value came from, and exit", kLaunch, true},
@@ -220,7 +225,7 @@ ParseResult parseCommandLine(int argc, const char* const* argv, const EnvLookup&
       {"nnodes", "1"},          {"nproc_per_node", "1"},   {"rdzv_backend", "static"},
       {"rdzv_id", "none"},      {"max_restarts", "0"},     {"monitor_interval", "0.1"},
       {"role", "default"},      {"master_addr", "127.0.0.1"}, {"start_method", "spawn"},
-      {"shutdown_timeout", "30"},
+      {"shutdown_timeout", "30"},   {"snapshot_memory_limit", "auto"},
   };
   std::map<std::string, bool> flags;
   std::map<std::string, CLI::Option*> cli;
@@ -327,6 +332,15 @@ ParseResult parseCommandLine(int argc, const char* const* argv, const EnvLookup&
                       "': expected a non-negative number of seconds");
   }
   o.shutdownTimeout = std::chrono::milliseconds(static_cast<long long>(*timeout * 1000));
+  if (text["snapshot_memory_limit"] == "auto") {
+    const long pages = ::sysconf(_SC_PHYS_PAGES);
+    const long pageBytes = ::sysconf(_SC_PAGESIZE);
+    o.snapshotMemoryLimit = pages > 0 && pageBytes > 0
+                                ? static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(pageBytes) / 4
+                                : std::uint64_t{1} << 30;
+  } else {
+    o.snapshotMemoryLimit = parseByteSize(text["snapshot_memory_limit"], "--snapshot_memory_limit");
+  }
   if (!text["master_port"].empty()) {
     const auto port = parseInt(text["master_port"]);
     if (!port || *port < 1 || *port > 65535) {

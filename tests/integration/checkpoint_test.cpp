@@ -82,7 +82,7 @@ class Resume : public ::testing::Test {
 TEST_F(Resume, ARankKilledAtStep37RestartsFromStep30AndEndsBitIdentical) {
   TempDir dir;
   const auto r = runCommand(mnistJob(dir.path(), {"--nproc_per_node", "2", "--max_restarts", "3"},
-                                     {"--fault_kill_at_step", "37", "--fault_kill_rank", "1"}),
+                                     {"--fault_kill_at_step", "37", "--fault_kill_rank", "1", "--snapshot_every", "0"}),
                             300s);
   ASSERT_EQ(r.exitCode, 0) << r.err;
   EXPECT_NE(r.err.find("signal SIGKILL"), std::string::npos) << r.err;  // the failure happened

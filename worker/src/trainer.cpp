@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -84,6 +85,11 @@ class CheckpointSignal {
 };
 
 // Whole lines on stdout in one write (ranks share the console).
+// Seconds since the epoch: metrics lines of different processes (a restart) on one clock.
+double unixTime() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
 void emitLine(const std::string& text) {
   const std::string line = text + "\n";
   [[maybe_unused]] const auto n = ::write(STDOUT_FILENO, line.data(), line.size());
@@ -98,6 +104,7 @@ struct Trainer::Impl {
   LossFn loss;
   TrainerOptions options;
   std::unique_ptr<Checkpointer> checkpointer;
+  std::unique_ptr<Snapshotter> snapshots;
   std::ofstream metrics;
   bool bar = false;
   bool lines = false;
@@ -157,6 +164,7 @@ Trainer::Trainer(Runtime& runtime, FullyShardedDataParallel& model, torch::optim
                       std::to_string(o.gradAccumulation) + ")");
   }
   if (o.checkpointEvery < 0) throw ConfigError("--checkpoint_every: expected 0 or more steps");
+  if (o.snapshotEvery < 0) throw ConfigError("--snapshot_every " + std::to_string(o.snapshotEvery) + ": expected 0 or more steps");
   if (!o.checkpointDir.empty()) {
     impl_->checkpointer = std::make_unique<Checkpointer>(
         runtime, CheckpointOptions{.dir = o.checkpointDir, .keep = o.keepCheckpoints, .async = o.asyncCheckpoint});
@@ -238,19 +246,54 @@ FitResult Trainer::fit(const Dataset& train, const Dataset* eval) {
                        static_cast<std::uint64_t>(atStep) * 7919ULL);
   };
   reseed(0);
-  if (d.checkpointer) {
-    if (const auto progress = d.checkpointer->loadLatest(d.model, &d.optimizer)) {
-      step = progress->step;
-      position = progress->position;
-      result.resumedFrom = step;
-      if (!progress->rngRestored) reseed(step);
-      d.printLine("resumed from the checkpoint of step " + std::to_string(step) + " in " + o.checkpointDir +
-                  (progress->rngRestored ? "" : " (another world size: RNG reseeded)"));
+  // Resume: the newest in-memory snapshot every rank holds, else the newest disk checkpoint.
+  const auto restoreStart = Clock::now();
+  if (o.snapshotEvery > 0 && !d.snapshots) d.snapshots = std::make_unique<Snapshotter>(d.runtime);
+  std::optional<TrainingProgress> resumed;
+  if (d.snapshots) {
+    resumed = d.snapshots->restore(d.model, &d.optimizer);
+    if (resumed) result.resumedSource = d.snapshots->restoredFrom();
+  }
+  if (resumed && d.checkpointer) {
+    // Snapshots taken less often than checkpoints: a newer checkpoint on disk wins.
+    std::int64_t onDisk = -1;
+    if (d.leader()) {
+      if (const auto newest = newestCheckpoint(o.checkpointDir)) {
+        onDisk = std::stoll(std::filesystem::path(*newest).filename().string().substr(5));
+      }
+    }
+    auto pick = at::full({1}, onDisk, at::kLong);
+    d.runtime.cpuComm().broadcast(pick, 0).wait();
+    if (pick.item<std::int64_t>() > resumed->step) resumed.reset();
+  }
+  if (!resumed && d.checkpointer) {
+    resumed = d.checkpointer->loadLatest(d.model, &d.optimizer);
+    if (resumed) result.resumedSource = "disk";
+  }
+  const double restoreMs = std::chrono::duration<double, std::milli>(Clock::now() - restoreStart).count();
+  if (resumed) {
+    step = resumed->step;
+    position = resumed->position;
+    result.resumedFrom = step;
+    if (!resumed->rngRestored) reseed(step);
+    const std::string reseeded = resumed->rngRestored ? "" : " (another world size: RNG reseeded)";
+    if (result.resumedSource == "disk") {
+      d.printLine("resumed from the checkpoint of step " + std::to_string(step) + " in " + o.checkpointDir + reseeded);
+    } else {
+      char took[32];
+      std::snprintf(took, sizeof(took), "%.0f ms", restoreMs);
+      d.printLine("resumed from the in-memory snapshot of step " + std::to_string(step) +
+                  (result.resumedSource == "memory" ? std::string() : " (the lost node's peer copy)") + " in " + took +
+                  reseeded);
     }
   }
   if (d.leader() && !o.metricsFile.empty()) {
     d.metrics.open(o.metricsFile, result.resumedFrom ? std::ios::app : std::ios::trunc);
     if (!d.metrics) throw ConfigError("--metrics_file '" + o.metricsFile + "': cannot write it");
+  }
+  if (resumed) {
+    d.writeMetrics({{"type", "resume"}, {"step", step}, {"source", result.resumedSource}, {"restore_ms", restoreMs},
+                    {"unix_time", unixTime()}});
   }
 
   std::optional<std::int64_t> lastSaved = result.resumedFrom;
@@ -349,8 +392,14 @@ FitResult Trainer::fit(const Dataset& train, const Dataset* eval) {
         tokens += static_cast<double>(part.tokens);
       }
       if (o.clipGradNorm > 0) d.model->clipGradNorm(o.clipGradNorm);
+      if (d.snapshots) d.snapshots->wait();  // the last snapshot's copy is done before parameters change
       d.optimizer.step();
       ++step;
+      if (d.snapshots && step % o.snapshotEvery == 0) {
+        d.snapshots->save(d.model, &d.optimizer,
+                          {.step = step, .position = sampler.next(item.position), .seed = o.seed,
+                           .extraJson = json{{"epochs", o.epochs}, {"global_batch", o.globalBatch}}.dump()});
+      }
       ++intervalSteps;
       const double stepSeconds = std::chrono::duration<double>(Clock::now() - stepStart).count();
       trainSeconds += stepSeconds;
@@ -394,7 +443,7 @@ FitResult Trainer::fit(const Dataset& train, const Dataset* eval) {
         const double stepMs = 1000.0 * seconds / static_cast<double>(std::max<std::int64_t>(intervalSteps, 1));
         json line{{"type", "train"}, {"epoch", epoch + 1}, {"step", step}, {"loss", result.trainLoss},
                   {"lr", lastLr}, {"samples_per_s", samplesPerSecond}, {"step_time_ms", stepMs},
-                  {"peak_rss_mb", peak},
+                  {"peak_rss_mb", peak}, {"unix_time", unixTime()},
                   {"elapsed_s", std::chrono::duration<double>(Clock::now() - d.start).count()}};
         if (sums[2] > 0) line["tokens_per_s"] = tokensPerSecond;
         d.writeMetrics(line);
@@ -433,6 +482,7 @@ FitResult Trainer::fit(const Dataset& train, const Dataset* eval) {
     }
     if (lastEvalStep != step) evaluateEpoch(std::min(epoch, o.epochs - 1));
   }
+  if (d.snapshots) d.snapshots->wait();
   checkpoint(position);
   if (d.checkpointer) d.checkpointer->wait();
   if (d.barOpen && d.leader()) emitLine("");

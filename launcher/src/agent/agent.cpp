@@ -1,6 +1,7 @@
 // The elastic agent's state machine: rendezvous, rounds, the workers' lifecycle and stop
 // signals (class Agent), and runAgent, its entry point.
 #include "fsdp/launcher/agent.hpp"
+#include "fsdp/launcher/snapshot_keeper.hpp"
 
 #include <poll.h>
 #include <signal.h>
@@ -97,6 +98,9 @@ class Agent {
   int storePort_ = 0;
   // When set, this node's workers reach the store through it (on loopback), not directly.
   std::unique_ptr<rendezvous::StoreProxy> proxy_;
+  // Holds this node's in-memory snapshots across worker restarts (with --max_restarts > 0).
+  std::unique_ptr<SnapshotKeeper> keeper_;
+  void startSnapshotKeeper();
   std::string address_;  // this node's address for the others
   std::string node_;
   int masterPort_ = 0;   // the MASTER_PORT this node offers, should it be node 0
@@ -132,6 +136,7 @@ void Agent::startRendezvous() {
     storeHost_ = "127.0.0.1";
     storePort_ = server_->port();
     connect();
+    startSnapshotKeeper();
     return;
   }
   tokenFile_ = conf.tokenFile;
@@ -176,6 +181,7 @@ void Agent::startRendezvous() {
     if (server_) log::info("serving the rendezvous of run '{}' on {}", options_.rdzvId, plan_.endpoint.str());
   }
   connect();
+  startSnapshotKeeper();
   if (!server_ && conf.storeProxy) {
     try {
       proxy_ = std::make_unique<rendezvous::StoreProxy>(
@@ -190,6 +196,19 @@ void Agent::startRendezvous() {
       log::warn("no store proxy on this node ({}): workers connect to {} directly", e.what(),
                 endpointName());
     }
+  }
+}
+
+void Agent::startSnapshotKeeper() {
+  if (options_.maxRestarts == 0 || options_.snapshotMemoryLimit == 0) return;
+  try {
+    keeper_ = std::make_unique<SnapshotKeeper>(KeeperOptions{.runId = options_.rdzvId,
+                                                             .memoryLimit = options_.snapshotMemoryLimit,
+                                                             .listenAddress = address_,
+                                                             .token = token_});
+    log::debug("snapshot keeper on @{} and {}", keeper_->socketName(), keeper_->peerEndpoint());
+  } catch (const Error& e) {
+    log::warn("no in-memory snapshots on this node ({}): restarts resume from disk checkpoints", e.what());
   }
 }
 
@@ -344,6 +363,10 @@ std::vector<detail::WorkerSpec> Agent::workerSpecs(const Assignment& a, const st
                           .tokenFile = tokenFile_,
                           .errorFile = attemptDir + "/" + std::to_string(local) + "/error.json",
                           .node = node_};
+    if (keeper_) {
+      contact.snapshotSocket = keeper_->socketName();
+      contact.snapshotPeer = keeper_->peerEndpoint();
+    }
     if (a.pytorchStore) {
       contact.masterAddr = storeHost_;
       contact.masterPort = storePort_;

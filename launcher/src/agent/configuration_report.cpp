@@ -39,6 +39,8 @@ std::string describeConfiguration(const LaunchOptions& o, const std::vector<std:
   std::ostringstream timeout;
   timeout << o.shutdownTimeout.count() / 1000.0 << " s";
   line("shutdown_timeout", timeout.str());
+  line("snapshot_memory_limit", o.maxRestarts > 0 ? std::to_string(o.snapshotMemoryLimit >> 20) + " MiB"
+                                                  : "unused (--max_restarts 0: no restart to resume)");
   const auto& c = o.rdzvConf;
   out << "rdzv_conf: join_timeout=" << c.joinTimeout.count() / 1000.0
       << " last_call_timeout=" << c.lastCallTimeout.count() / 1000.0

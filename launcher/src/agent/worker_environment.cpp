@@ -35,6 +35,10 @@ std::vector<std::string> workerEnvironment(const LaunchOptions& options, const W
   if (!contact.tokenFile.empty()) set["FSDPRUN_TOKEN_FILE"] = contact.tokenFile;
   if (!contact.errorFile.empty()) set["TORCHELASTIC_ERROR_FILE"] = contact.errorFile;
   if (!contact.node.empty()) set["FSDPRUN_NODE"] = contact.node;
+  if (!contact.snapshotSocket.empty()) {
+    set["FSDPRUN_SNAPSHOT_SOCKET"] = contact.snapshotSocket;
+    set["FSDPRUN_SNAPSHOT_PEER"] = contact.snapshotPeer;
+  }
   std::vector<std::string> env;
   bool haveOmp = false;
   for (auto& entry : base) {

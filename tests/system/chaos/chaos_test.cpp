@@ -60,6 +60,8 @@ std::vector<std::string> trainingCommand(int steps, const std::string& checkpoin
           "--checkpoint_dir",       checkpointDir,        "--checkpoint_every",
           std::to_string(kCheckpointEvery), "--keep_checkpoints", "0",
           "--no_eval",              "--progress",         "none",
+          // The reference resumes from the disk checkpoint the last round resumed from.
+          "--snapshot_every",       "0",
           "--summary_file",         summaryFile,          "--data",
           kData};
 }

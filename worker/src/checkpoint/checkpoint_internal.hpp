@@ -50,6 +50,8 @@ class File {
     fd_ = ::open(path.c_str(), flags | O_CLOEXEC, mode);
     if (fd_ < 0) throwErrno("opening " + path, errno);
   }
+  // Adopts an open descriptor (an in-memory snapshot), named `name` in messages.
+  File(int fd, std::string name) : path_(std::move(name)), fd_(fd) {}
   ~File() {
     if (fd_ >= 0) ::close(fd_);
   }
@@ -150,9 +152,12 @@ struct Manifest {
   std::vector<std::string> paramOrder;
   std::string optimizerKind;                      // "" when none was saved
   std::vector<std::map<std::string, std::int64_t>> scalars;  // per flat
+  bool checkCrc = true;  // false for sealed in-memory snapshots (nothing can change them)
 };
 
 Manifest readManifest(const std::string& path);
+// The same from metadata already read (with its "files"); `path` names it in messages.
+Manifest manifestFromMeta(json meta, const std::string& path);
 
 // The optimizer state tensors a checkpoint holds per flat parameter (none without an optimizer).
 // (optimizer_state.cpp)
@@ -164,6 +169,9 @@ std::vector<std::string> optimizerStateNames(const Manifest& m);
 class Reader {
  public:
   explicit Reader(const Manifest& m) : m_(m) {}
+
+  // Reads file `index` from `file` instead of the checkpoint directory.
+  void adopt(int index, std::unique_ptr<File> file) { files_[index] = std::move(file); }
 
   const File& file(int index) {
     auto& slot = files_[index];
@@ -191,7 +199,7 @@ class Reader {
                         " are expected (its metadata does not match the data)");
     }
     file(fileIndex).readAt(dst, bytes, b.offset);
-    if (crc32Of(dst, bytes) != b.crc) {
+    if (m_.checkCrc && crc32Of(dst, bytes) != b.crc) {
       throw ConfigError(where + " at byte " + std::to_string(b.offset) + " fails its CRC-32 check (corrupt)");
     }
   }
@@ -242,7 +250,7 @@ class Reader {
   std::map<int, std::unique_ptr<File>> files_;
 };
 
-// The module buffers rank 0 saved, by name.
+// The module buffers saved (by rank 0, or by every rank in a snapshot), by name.
 std::map<std::string, at::Tensor> readBuffers(Reader& reader, const Manifest& m);
 
 // What one rank writes: blocks with their bytes (copies when asynchronous), in file order.
@@ -253,6 +261,25 @@ struct RankPlan {
 };
 
 void addBlock(RankPlan& plan, Block b, at::Tensor data, bool copy);
+
+// What one rank saves of its training state: its plan (shards, optimizer state, RNG, and the
+// module's buffers when `buffers`) and, when `withMeta`, the metadata that does not depend on
+// the other ranks. `copy`: the plan holds copies (else views of the live tensors; device
+// tensors are always copied to the host). (save.cpp)
+struct RankState {
+  RankPlan plan;
+  json meta;
+};
+RankState describeRank(FullyShardedDataParallel& model, torch::optim::Optimizer* optimizer,
+                       const TrainingProgress& progress, int rank, int world, bool copy, bool buffers,
+                       bool withMeta);
+
+// Collective. Loads `m` (read through `reader`) into the model, the optimizer and the RNG once
+// every rank has read and checked its part; throws ConfigError on every rank (nothing changed)
+// when any rank could not, or came with a `failure` of its own. (load.cpp)
+TrainingProgress loadManifest(Runtime& runtime, const Manifest& m, Reader& reader, FullyShardedDataParallel& model,
+                              torch::optim::Optimizer* optimizer, const std::string& errorKey,
+                              std::string failure = "");
 // Writes a rank's file (fsync'ed); fills offsets and CRCs of its blocks.
 void writeRankFile(const std::string& path, RankPlan& plan);
 json rankFileJson(const RankPlan& plan);

@@ -66,15 +66,26 @@ Block blockFrom(const json& j) {
 }
 
 Manifest readManifest(const std::string& path) {
-  Manifest m;
-  m.path = path;
   const std::string metaPath = path + "/metadata.json";
   if (!fs::exists(path + "/COMMIT")) {
     throw ConfigError("checkpoint " + path + " is incomplete: it has no COMMIT marker");
   }
   if (!fs::exists(metaPath)) throw ConfigError("checkpoint " + path + ": " + metaPath + " is missing");
+  json meta;
   try {
-    m.meta = json::parse(readText(metaPath));
+    meta = json::parse(readText(metaPath));
+  } catch (const json::exception& e) {
+    throw ConfigError("checkpoint " + metaPath + " is malformed: " + e.what());
+  }
+  return manifestFromMeta(std::move(meta), path);
+}
+
+Manifest manifestFromMeta(json meta, const std::string& path) {
+  Manifest m;
+  m.path = path;
+  const std::string metaPath = path + "/metadata.json";
+  try {
+    m.meta = std::move(meta);
     if (m.meta.at("format").get<std::string>() != kFormat) {
       throw ConfigError("checkpoint " + metaPath + ": not an fsdprun sharded checkpoint");
     }

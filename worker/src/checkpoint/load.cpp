@@ -103,8 +103,31 @@ std::optional<TrainingProgress> Checkpointer::loadLatest(FullyShardedDataParalle
   runtime_.cpuComm().broadcast(pick, 0).wait();
   chosen = pick.item<std::int64_t>();
   if (chosen < 0) return std::nullopt;
-  const std::string path = options_.dir + "/" + stepDirName(chosen);
 
+  const std::string path = options_.dir + "/" + stepDirName(chosen);
+  const std::string errorKey = runtime_.roundPrefix() + "ckpt/load/" + std::to_string(chosen) + "/error";
+  std::optional<Manifest> manifest;
+  std::string failure;
+  try {
+    manifest.emplace(readManifest(path));
+  } catch (const Error& e) {
+    failure = e.what();
+  }
+  if (!manifest) {
+    // The others may have read it: they wait in loadManifest's agreement, which this joins.
+    manifest.emplace();
+    manifest->path = path;
+  }
+  Reader reader(*manifest);
+  return loadManifest(runtime_, *manifest, reader, model, optimizer, errorKey, failure);
+}
+
+namespace detail {
+
+TrainingProgress loadManifest(Runtime& runtime, const Manifest& m, Reader& reader, FullyShardedDataParallel& model,
+                              torch::optim::Optimizer* optimizer, const std::string& errorKey,
+                              std::string failure) {
+  const std::string& path = m.path;
   // Everything is read and checked into new tensors first, and every rank learns whether every
   // other rank could: a bad file on one rank leaves the model as it was on all of them.
   const ShardLayout layout = model->shardLayout();
@@ -113,14 +136,10 @@ std::optional<TrainingProgress> Checkpointer::loadLatest(FullyShardedDataParalle
   std::vector<std::optional<OptimizerState>> states;
   std::map<std::string, at::Tensor> buffers;
   std::optional<at::Tensor> rng;
-  std::optional<Manifest> manifest;
   TrainingProgress progress;
   std::vector<double> groupLrs;
-  std::string failure;
   at::NoGradGuard noGrad;
-  try {
-    manifest.emplace(readManifest(path));
-    const Manifest& m = *manifest;
+  if (failure.empty()) try {
     checkModelFits(m, layout);
     progress.step = m.meta.at("step").get<std::int64_t>();
     progress.position = {m.meta.at("epoch").get<int>(), m.meta.at("step_in_epoch").get<std::int64_t>()};
@@ -137,7 +156,6 @@ std::optional<TrainingProgress> Checkpointer::loadLatest(FullyShardedDataParalle
                           " optimizer state, but the optimizer is " + kind);
       }
     }
-    Reader reader(m);
     const auto stateNames = optimizer == nullptr ? std::vector<std::string>{} : optimizerStateNames(m);
     for (const auto& flat : layout.flats) {
       auto values = at::zeros_like(flat.shard.detach(), at::TensorOptions().device(at::kCPU));
@@ -161,10 +179,10 @@ std::optional<TrainingProgress> Checkpointer::loadLatest(FullyShardedDataParalle
       }
     }
     buffers = readBuffers(reader, m);
-    if (m.meta.at("world_size").get<int>() == runtime_.worldSize() && runtime_.rank() < m.files) {
-      for (const auto& b : m.blocks[static_cast<std::size_t>(runtime_.rank())]) {
+    if (m.meta.at("world_size").get<int>() == runtime.worldSize() && runtime.rank() < m.files) {
+      for (const auto& b : m.blocks[static_cast<std::size_t>(runtime.rank())]) {
         if (b.what != "rng/cpu") continue;
-        rng = reader.blockTensor(runtime_.rank(), b, {static_cast<std::int64_t>(b.bytes)}, at::kByte);
+        rng = reader.blockTensor(runtime.rank(), b, {static_cast<std::int64_t>(b.bytes)}, at::kByte);
       }
     }
   } catch (const Error& e) {  // ConfigError, and I/O errors: either way the load is refused
@@ -172,12 +190,11 @@ std::optional<TrainingProgress> Checkpointer::loadLatest(FullyShardedDataParalle
   } catch (const json::exception& e) {
     failure = "checkpoint " + path + "/metadata.json is malformed: " + e.what();
   }
-  const std::string errorKey = runtime_.roundPrefix() + "ckpt/load/" + std::to_string(chosen) + "/error";
-  if (!failure.empty()) runtime_.store().set(errorKey, failure);
+  if (!failure.empty()) runtime.store().set(errorKey, failure);
   auto failed = at::full({1}, failure.empty() ? 0.0 : 1.0, at::kDouble);
-  runtime_.cpuComm().allReduce(failed, ReduceOp::kMax).wait();
+  runtime.cpuComm().allReduce(failed, ReduceOp::kMax).wait();
   if (failed.item<double>() > 0) {
-    if (failure.empty()) failure = runtime_.store().get(errorKey);
+    if (failure.empty()) failure = runtime.store().get(errorKey);
     throw ConfigError(failure);
   }
 
@@ -200,8 +217,10 @@ std::optional<TrainingProgress> Checkpointer::loadLatest(FullyShardedDataParalle
     generator.set_state(*rng);
     progress.rngRestored = true;
   }
-  runtime_.cpuComm().barrier().wait();
+  runtime.cpuComm().barrier().wait();
   return progress;
 }
+
+}  // namespace detail
 
 }  // namespace fsdp::worker

@@ -42,17 +42,18 @@ void Checkpointer::wait() {
   if (writerError_) std::rethrow_exception(std::exchange(writerError_, nullptr));
 }
 
-void Checkpointer::save(FullyShardedDataParallel& model, torch::optim::Optimizer* optimizer,
-                        const TrainingProgress& progress) {
-  wait();  // one save at a time, and their errors surface here
+namespace detail {
+
+RankState describeRank(FullyShardedDataParallel& model, torch::optim::Optimizer* optimizer,
+                       const TrainingProgress& progress, int rank, int world, bool copy, bool buffers,
+                       bool withMeta) {
   const ShardLayout layout = model->shardLayout();
-  const int rank = runtime_.rank();
-  const int world = runtime_.worldSize();
   const std::string kind = optimizer != nullptr ? optimizerKind(*optimizer) : "";
   at::NoGradGuard noGrad;
 
-  // What this rank writes: its shards (primary replica only), its RNG, rank 0's buffers.
-  RankPlan plan;
+  // What this rank writes: its shards (primary replica only), its RNG, the buffers if asked.
+  RankState out;
+  RankPlan& plan = out.plan;
   plan.rank = rank;
   json scalars = json::array();
   std::set<std::string> stateNames;
@@ -65,66 +66,76 @@ void Checkpointer::save(FullyShardedDataParallel& model, torch::optim::Optimizer
     json flatScalars = json::object();
     if (state) {
       for (const auto& [name, value] : state->scalars) flatScalars[name] = value;
+      for (const auto& item : state->tensors) stateNames.insert(item.first);
     }
     scalars.push_back(flatScalars);
     if (!layout.primaryReplica || valid == 0) continue;
     addBlock(plan, {.flat = static_cast<int>(f), .what = "param", .start = flat.shardOffset, .count = valid},
-             flat.shard.detach().narrow(0, 0, valid), options_.async);
+             flat.shard.detach().narrow(0, 0, valid), copy);
     if (state) {
       for (const auto& [name, tensor] : state->tensors) {
-        stateNames.insert(name);
         addBlock(plan, {.flat = static_cast<int>(f), .what = "optim/" + name, .start = flat.shardOffset, .count = valid},
-                 tensor.narrow(0, 0, valid), options_.async);
+                 tensor.narrow(0, 0, valid), copy);
       }
     }
   }
-  addBlock(plan, {.what = "rng/cpu"}, at::detail::getDefaultCPUGenerator().get_state(), options_.async);
-  if (rank == 0) {
+  // The generator's state is a new tensor already: never a view of something that changes.
+  addBlock(plan, {.what = "rng/cpu"}, at::detail::getDefaultCPUGenerator().get_state(), false);
+  if (buffers) {
     for (const auto& item : model->module()->named_buffers()) {
       Block b{.what = "buffer/" + item.key()};
       b.shape = item.value().sizes().vec();
-      addBlock(plan, b, item.value().detach(), options_.async);
+      addBlock(plan, b, item.value().detach(), copy);
     }
   }
+  if (!withMeta) return out;
 
-  // Rank 0 also prepares the metadata that does not depend on the other ranks.
-  json meta;
-  if (rank == 0) {
-    json flats = json::array();
-    for (const auto& flat : layout.flats) {
-      json params = json::array();
-      for (const auto& p : flat.params) {
-        params.push_back({{"name", p.name}, {"shape", p.shape}, {"offset", p.offset}, {"numel", p.numel}});
-      }
-      flats.push_back({{"unit", flat.unit},
-                       {"numel", flat.numel},
-                       {"dtype", dtypeName(flat.shard.scalar_type())},
-                       {"requires_grad", flat.requiresGrad},
-                       {"params", params}});
+  json flats = json::array();
+  for (const auto& flat : layout.flats) {
+    json params = json::array();
+    for (const auto& p : flat.params) {
+      params.push_back({{"name", p.name}, {"shape", p.shape}, {"offset", p.offset}, {"numel", p.numel}});
     }
-    json groups = json::array();
-    if (optimizer != nullptr) {
-      for (const auto& g : optimizer->param_groups()) groups.push_back({{"lr", g.options().get_lr()}});
-    }
-    meta = {{"format", kFormat},
-            {"format_version", kFormatVersion},
-            {"library_version", kLibraryVersion},
-            {"world_size", world},
-            {"shard_size", layout.shardSize},
-            {"strategy", toString(model->options().strategy)},
-            {"step", progress.step},
-            {"epoch", progress.position.epoch},
-            {"step_in_epoch", progress.position.step},
-            {"seed", progress.seed},
-            {"extra", json::parse(progress.extraJson, nullptr, false)},
-            {"flats", flats},
-            {"optimizer", optimizer == nullptr ? json(nullptr)
-                                               : json{{"kind", kind},
-                                                      {"state", std::vector<std::string>(stateNames.begin(), stateNames.end())},
-                                                      {"scalars", scalars},
-                                                      {"param_groups", groups}}}};
-    if (meta["extra"].is_discarded()) meta["extra"] = json::object();
+    flats.push_back({{"unit", flat.unit},
+                     {"numel", flat.numel},
+                     {"dtype", dtypeName(flat.shard.scalar_type())},
+                     {"requires_grad", flat.requiresGrad},
+                     {"params", params}});
   }
+  json groups = json::array();
+  if (optimizer != nullptr) {
+    for (const auto& g : optimizer->param_groups()) groups.push_back({{"lr", g.options().get_lr()}});
+  }
+  out.meta = {{"format", kFormat},
+              {"format_version", kFormatVersion},
+              {"library_version", kLibraryVersion},
+              {"world_size", world},
+              {"shard_size", layout.shardSize},
+              {"strategy", toString(model->options().strategy)},
+              {"step", progress.step},
+              {"epoch", progress.position.epoch},
+              {"step_in_epoch", progress.position.step},
+              {"seed", progress.seed},
+              {"extra", json::parse(progress.extraJson, nullptr, false)},
+              {"flats", flats},
+              {"optimizer", optimizer == nullptr ? json(nullptr)
+                                                 : json{{"kind", kind},
+                                                        {"state", std::vector<std::string>(stateNames.begin(), stateNames.end())},
+                                                        {"scalars", scalars},
+                                                        {"param_groups", groups}}}};
+  if (out.meta["extra"].is_discarded()) out.meta["extra"] = json::object();
+  return out;
+}
+
+}  // namespace detail
+
+void Checkpointer::save(FullyShardedDataParallel& model, torch::optim::Optimizer* optimizer,
+                        const TrainingProgress& progress) {
+  wait();  // one save at a time, and their errors surface here
+  const int rank = runtime_.rank();
+  const int world = runtime_.worldSize();
+  auto [plan, meta] = describeRank(model, optimizer, progress, rank, world, options_.async,
+                                   /*buffers=*/rank == 0, /*withMeta=*/rank == 0);
 
   const std::string dir = options_.dir;
   const std::string finalDir = dir + "/" + stepDirName(progress.step);

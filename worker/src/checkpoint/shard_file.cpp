@@ -4,13 +4,16 @@
 
 namespace fsdp::worker::detail {
 
-// The module buffers rank 0 saved, by name.
+// The module buffers saved, by name.
 std::map<std::string, at::Tensor> readBuffers(Reader& reader, const Manifest& m) {
   std::map<std::string, at::Tensor> buffers;
-  if (m.blocks.empty()) return buffers;
-  for (const auto& b : m.blocks[0]) {
-    if (!b.what.starts_with("buffer/")) continue;
-    buffers[b.what.substr(7)] = reader.blockTensor(0, b, b.shape, parseDtype(b.dtype, m.path));
+  // Rank 0 saves them to disk; in a snapshot every rank holds them: the first file that has any.
+  for (int f = 0; f < m.files; ++f) {
+    for (const auto& b : m.blocks[static_cast<std::size_t>(f)]) {
+      if (!b.what.starts_with("buffer/")) continue;
+      buffers[b.what.substr(7)] = reader.blockTensor(f, b, b.shape, parseDtype(b.dtype, m.path));
+    }
+    if (!buffers.empty()) break;
   }
   return buffers;
 }

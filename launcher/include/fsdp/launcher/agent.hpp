@@ -79,6 +79,8 @@ struct WorkerContact {
   std::string tokenFile;
   std::string errorFile;
   std::string node;
+  std::string snapshotSocket;  // the agent's snapshot keeper (empty: none)
+  std::string snapshotPeer;    // its peer stream, host:port
 };
 std::vector<std::string> workerEnvironment(const LaunchOptions& options, const WorkerIdentity& id,
                                            const WorkerContact& contact,

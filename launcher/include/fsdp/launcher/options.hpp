@@ -4,6 +4,7 @@
 // (for --dry_run).
 
 #include <chrono>
+#include <cstdint>
 #include <map>
 #include <optional>
 #include <set>
@@ -44,6 +45,8 @@ struct LaunchOptions {
   // then SIGKILL after the shutdown timeout); any other listed signal is only forwarded.
   std::vector<int> signalsToHandle;
   std::chrono::milliseconds shutdownTimeout{30000};
+  // Bytes of in-memory snapshots this node's agent may hold (0: none kept).
+  std::uint64_t snapshotMemoryLimit = std::uint64_t{1} << 30;
   bool dryRun = false;
   bool noSlurm = false;
   std::vector<std::string> command;  // PROGRAM ARGS... as given

@@ -25,6 +25,7 @@
 #include "fsdp/worker/checkpoint.hpp"
 #include "fsdp/worker/data.hpp"
 #include "fsdp/worker/fsdp.hpp"
+#include "fsdp/worker/snapshot.hpp"
 
 namespace torch::optim {
 class Optimizer;
@@ -69,6 +70,10 @@ struct TrainerOptions {
   // then go on. 0: off. Installed only where the program left the signal at its default.
   int checkpointSignal = 10;  // SIGUSR1
   int prefetch = 2;              // batches prepared ahead on the loader's thread
+  // Steps between in-memory snapshots held by the agent (0: off). A restart resumes from the
+  // newest one every rank holds before looking at disk checkpoints. Kept only under fsdprun
+  // with --max_restarts > 0 (see snapshot.hpp); the copy overlaps the next step.
+  int snapshotEvery = 1;
 };
 
 struct EvalResult {
@@ -80,6 +85,7 @@ struct EvalResult {
 struct FitResult {
   std::int64_t steps = 0;          // optimizer steps done in all (resumed ones included)
   std::optional<std::int64_t> resumedFrom;  // the checkpoint's step, when the run resumed
+  std::string resumedSource;       // "memory", "peer copy" (snapshots) or "disk"
   double trainLoss = 0;            // mean over the last logging interval
   EvalResult eval;                 // the last evaluation
   double samplesPerSecond = 0;     // over this process's training time

@@ -1,0 +1,65 @@
+#pragma once
+// The agent's snapshot keeper: it holds the in-memory snapshots of this node's workers (sealed
+// memfds they hand over an abstract Unix socket) across their deaths, and a copy of the next
+// node's snapshots that those workers send over TCP (the peer ring), so that a restart resumes
+// from the newest step every rank holds instead of the last disk checkpoint.
+//
+// What it keeps: per rank, the newest 3 local pieces of the current world size and the newest
+// 2 peer pieces; a piece of another world size goes when one of the new size arrives. In all,
+// at most `memoryLimit` bytes: past it the oldest pieces go first, and a piece that still does
+// not fit is refused (the worker stops snapshotting and says so). Everything goes with the
+// keeper: its memfds are never named in /dev/shm.
+//
+// Messages (JSON, one per packet) on the Unix socket:
+//   {"op":"put"} + a sealed piece  -> {"ok":true} | {"ok":false,"error":"..."}
+//   {"op":"list"}                  -> {"ok":true,"pieces":[{"rank","world","step","bytes","peer"}]}
+//   {"op":"get","rank","world","step"} -> {"ok":true,"peer":bool} + the piece | {"ok":false,...}
+// On TCP: u32 length, header {"run","rank","world","step","bytes","mac"}, then the piece's
+// bytes; the reply is u32 length and {"ok":...}. "mac" is HMAC-SHA256 under the job token of
+// the other header fields: a keeper stores nothing from a sender outside the job.
+//
+// Thread-safety: the keeper runs on its own threads; its public members may be called from any.
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace fsdp::launcher {
+
+struct KeeperOptions {
+  std::string runId;
+  std::uint64_t memoryLimit = 0;  // bytes held at most, local and peer pieces together
+  std::string listenAddress = "127.0.0.1";  // where the peer stream listens (this node's address)
+  std::string token;              // the job token (MAC key of peer streams)
+};
+
+struct KeeperStats {
+  std::uint64_t bytesHeld = 0;
+  int piecesHeld = 0;
+  int refused = 0;
+};
+
+class SnapshotKeeper {
+ public:
+  // Binds both sockets and starts serving. Throws Error when it cannot.
+  explicit SnapshotKeeper(KeeperOptions options);
+  ~SnapshotKeeper();
+  SnapshotKeeper(const SnapshotKeeper&) = delete;
+  SnapshotKeeper& operator=(const SnapshotKeeper&) = delete;
+
+  // The abstract socket name for FSDPRUN_SNAPSHOT_SOCKET (without the leading NUL).
+  const std::string& socketName() const;
+  // host:port of the peer stream, for FSDPRUN_SNAPSHOT_PEER.
+  std::string peerEndpoint() const;
+  KeeperStats stats() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Parses a size such as 512M, 4G, 1024 (bytes), 0; throws ConfigError naming `flag`.
+std::uint64_t parseByteSize(const std::string& text, const std::string& flag);
+
+}  // namespace fsdp::launcher

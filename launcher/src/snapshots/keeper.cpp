@@ -1,0 +1,378 @@
+// The agent's snapshot keeper (see snapshot_keeper.hpp): a poll thread serves this node's
+// workers on the Unix socket and accepts peer streams; each peer stream is read on its own
+// thread (a piece is megabytes; the workers' small requests must not wait behind it).
+#include "fsdp/launcher/snapshot_keeper.hpp"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <list>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <thread>
+#include <vector>
+
+#include "fsdp/common/error.hpp"
+#include "fsdp/common/log.hpp"
+#include "fsdp/common/sha256.hpp"
+#include "fsdp/common/snapshot_wire.hpp"
+
+namespace fsdp::launcher {
+
+using nlohmann::json;
+using snapshot::Fd;
+
+namespace {
+
+constexpr int kKeepLocal = 3;
+constexpr int kKeepPeer = 2;
+
+struct Piece {
+  Fd fd;
+  int rank = 0;
+  int world = 0;
+  std::int64_t step = 0;
+  std::uint64_t bytes = 0;
+  bool peer = false;
+};
+
+std::string describe(const Piece& p) {
+  return std::string(p.peer ? "peer " : "") + "snapshot of rank " + std::to_string(p.rank) + " (world " +
+         std::to_string(p.world) + ") at step " + std::to_string(p.step) + ", " + std::to_string(p.bytes) + " bytes";
+}
+
+}  // namespace
+
+std::uint64_t parseByteSize(const std::string& text, const std::string& flag) {
+  std::size_t used = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  const std::string suffix = used == 0 ? "" : text.substr(used);
+  double scale = 0;
+  if (suffix.empty() || suffix == "B") scale = 1;
+  if (suffix == "K" || suffix == "KiB" || suffix == "k") scale = 1024.0;
+  if (suffix == "M" || suffix == "MiB") scale = 1024.0 * 1024;
+  if (suffix == "G" || suffix == "GiB") scale = 1024.0 * 1024 * 1024;
+  if (suffix == "T" || suffix == "TiB") scale = 1024.0 * 1024 * 1024 * 1024;
+  if (used == 0 || scale == 0 || value < 0 || !std::isfinite(value)) {
+    throw ConfigError(flag + " '" + text + "': expected a size such as 512M, 4G or 0 (bytes; K, M, G, T are powers of 1024)");
+  }
+  return static_cast<std::uint64_t>(value * scale);
+}
+
+struct SnapshotKeeper::Impl {
+  KeeperOptions options;
+  std::string name;
+  Fd unixListener;
+  Fd tcpListener;
+  Fd wake;
+  int tcpPort = 0;
+  std::thread loop;
+  std::atomic<bool> stopping{false};
+
+  mutable std::mutex mutex;  // guards everything below
+  std::list<Piece> pieces;
+  std::uint64_t held = 0;
+  int refused = 0;
+  struct Stream {
+    Fd fd;
+    std::thread thread;
+    std::atomic<bool> done{false};
+  };
+  std::list<Stream> streams;
+
+  // ---- the table ---------------------------------------------------------------------------
+
+  void drop(std::list<Piece>::iterator it) {
+    held -= it->bytes;
+    pieces.erase(it);
+  }
+
+  // Takes a piece in, or says why not.
+  std::string admit(Piece p) {
+    std::scoped_lock lock(mutex);
+    for (auto it = pieces.begin(); it != pieces.end();) {
+      const bool otherWorld = it->world != p.world;
+      const bool same = it->rank == p.rank && it->peer == p.peer && it->step == p.step;
+      auto next = std::next(it);
+      if (otherWorld || same) drop(it);
+      it = next;
+    }
+    const int keep = p.peer ? kKeepPeer : kKeepLocal;
+    for (;;) {
+      int count = 0;
+      auto oldest = pieces.end();
+      for (auto it = pieces.begin(); it != pieces.end(); ++it) {
+        if (it->rank != p.rank || it->peer != p.peer) continue;
+        ++count;
+        if (oldest == pieces.end() || it->step < oldest->step) oldest = it;
+      }
+      if (count < keep) break;
+      drop(oldest);
+    }
+    while (held + p.bytes > options.memoryLimit) {
+      auto oldest = pieces.end();
+      for (auto it = pieces.begin(); it != pieces.end(); ++it) {
+        if (it->step < p.step && (oldest == pieces.end() || it->step < oldest->step)) oldest = it;
+      }
+      if (oldest == pieces.end()) break;
+      drop(oldest);
+    }
+    if (held + p.bytes > options.memoryLimit) {
+      ++refused;
+      // What this rank left is older than what it just sent: useless for a restart now.
+      for (auto it = pieces.begin(); it != pieces.end();) {
+        auto next = std::next(it);
+        if (it->rank == p.rank && it->peer == p.peer) drop(it);
+        it = next;
+      }
+      return "the " + describe(p) + " does not fit this node's snapshot memory limit (--snapshot_memory_limit " +
+             std::to_string(options.memoryLimit) + " bytes, " + std::to_string(held) + " held)";
+    }
+    held += p.bytes;
+    log::debug("snapshot keeper: holding the {}", describe(p));
+    pieces.push_back(std::move(p));
+    return "";
+  }
+
+  // Reads a piece's header and checks it is one.
+  static Piece inspect(Fd fd, bool peer) {
+    Piece p;
+    const auto header = json::parse(snapshot::readPieceHeader(fd.get(), "the piece handed over"));
+    p.rank = header.at("rank").get<int>();
+    p.world = header.at("world").get<int>();
+    p.step = header.at("step").get<std::int64_t>();
+    p.bytes = snapshot::fileBytes(fd.get());
+    p.peer = peer;
+    if (p.world < 1 || p.rank < 0 || p.rank >= p.world || p.step < 0) throw Error("a piece names rank " + std::to_string(p.rank) + " of world " + std::to_string(p.world));
+    p.fd = std::move(fd);
+    return p;
+  }
+
+  // ---- the Unix socket -------------------------------------------------------------------
+
+  std::string serve(const std::string& text, Fd passed, int sock) {
+    json request = json::parse(text, nullptr, false);
+    if (!request.is_object()) return json{{"ok", false}, {"error", "malformed request"}}.dump();
+    const std::string op = request.value("op", "");
+    if (op == "put") {
+      if (!passed) return json{{"ok", false}, {"error", "a put carries no piece"}}.dump();
+      if (!snapshot::isSealed(passed.get())) return json{{"ok", false}, {"error", "a piece must be sealed"}}.dump();
+      try {
+        const std::string error = admit(inspect(std::move(passed), false));
+        if (!error.empty()) return json{{"ok", false}, {"error", error}}.dump();
+      } catch (const std::exception& e) {
+        return json{{"ok", false}, {"error", e.what()}}.dump();
+      }
+      return json{{"ok", true}}.dump();
+    }
+    if (op == "list") {
+      std::scoped_lock lock(mutex);
+      json list = json::array();
+      for (const auto& p : pieces) {
+        list.push_back({{"rank", p.rank}, {"world", p.world}, {"step", p.step}, {"bytes", p.bytes}, {"peer", p.peer}});
+      }
+      return json{{"ok", true}, {"pieces", list}}.dump();
+    }
+    if (op == "get") {
+      std::scoped_lock lock(mutex);
+      for (const auto& p : pieces) {
+        if (p.rank == request.value("rank", -1) && p.world == request.value("world", -1) &&
+            p.step == request.value("step", std::int64_t{-1})) {
+          snapshot::sendMessage(sock, json{{"ok", true}, {"peer", p.peer}}.dump(), p.fd.get());
+          return "";
+        }
+      }
+      return json{{"ok", false}, {"error", "no such piece"}}.dump();
+    }
+    return json{{"ok", false}, {"error", "unknown op '" + op + "'"}}.dump();
+  }
+
+  // ---- peer streams ----------------------------------------------------------------------
+
+  void reply(int fd, const json& answer) {
+    const std::string text = answer.dump();
+    const auto n = static_cast<std::uint32_t>(text.size());
+    snapshot::writeAll(fd, &n, sizeof(n));
+    snapshot::writeAll(fd, text.data(), text.size());
+  }
+
+  void readStream(int fd) {
+    const std::string peerName = "a peer snapshot stream";
+    try {
+      for (;;) {
+        std::uint32_t length = 0;
+        if (!snapshot::readAll(fd, &length, sizeof(length))) return;
+        if (length > 65536) throw ProtocolError(peerName + " sent a header of " + std::to_string(length) + " bytes");
+        std::string text(length, '\0');
+        if (!snapshot::readAll(fd, text.data(), text.size())) return;
+        const json header = json::parse(text);
+        const int rank = header.at("rank").get<int>();
+        const int world = header.at("world").get<int>();
+        const auto step = header.at("step").get<std::int64_t>();
+        const auto bytes = header.at("bytes").get<std::uint64_t>();
+        const std::string mac = header.at("mac").get<std::string>();
+        if (header.at("run").get<std::string>() != options.runId ||
+            !constantTimeEqual(mac, snapshot::peerMac(options.token, options.runId, rank, world, step, bytes))) {
+          throw ProtocolError(peerName + " is not from this job (run id or MAC)");
+        }
+        if (bytes > options.memoryLimit || bytes < snapshot::kPrefixBytes) {
+          // Read nothing more: the stream cannot be followed past a piece not taken.
+          reply(fd, {{"ok", false}, {"error", "a piece of " + std::to_string(bytes) + " bytes exceeds the peer's snapshot memory limit"}});
+          return;
+        }
+        Fd memfd = snapshot::createMemfd("fsdprun-peer-snapshot", bytes);
+        void* map = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, memfd.get(), 0);
+        if (map == MAP_FAILED) throwErrno("mapping a peer snapshot", errno);
+        const bool complete = snapshot::readAll(fd, map, bytes);
+        ::munmap(map, bytes);
+        if (!complete) return;
+        snapshot::sealPiece(memfd.get());
+        std::string error;
+        try {
+          Piece p = inspect(std::move(memfd), true);
+          if (p.rank != rank || p.world != world || p.step != step) throw Error("its header does not match its stream header");
+          error = admit(std::move(p));
+        } catch (const std::exception& e) {
+          error = std::string("a peer piece was refused: ") + e.what();
+        }
+        if (!error.empty()) log::warn("snapshot keeper: {}", error);
+        reply(fd, error.empty() ? json{{"ok", true}} : json{{"ok", false}, {"error", error}});
+      }
+    } catch (const std::exception& e) {
+      if (!stopping) log::warn("snapshot keeper: closed {}: {}", peerName, e.what());
+    }
+  }
+
+  // ---- the loop ----------------------------------------------------------------------------
+
+  void run() {
+    struct Client {
+      Fd fd;
+    };
+    std::list<Client> clients;
+    while (!stopping) {
+      std::vector<pollfd> fds = {{wake.get(), POLLIN, 0}, {unixListener.get(), POLLIN, 0},
+                                 {tcpListener.get(), POLLIN, 0}};
+      for (const auto& c : clients) fds.push_back({c.fd.get(), POLLIN, 0});
+      if (::poll(fds.data(), fds.size(), 1000) < 0 && errno != EINTR) {
+        log::error("snapshot keeper: poll failed: {}", std::strerror(errno));
+        return;
+      }
+      if (stopping) break;
+      if ((fds[1].revents & POLLIN) != 0) {
+        Fd c(::accept4(unixListener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+        ucred cred{};
+        socklen_t length = sizeof(cred);
+        if (c && ::getsockopt(c.get(), SOL_SOCKET, SO_PEERCRED, &cred, &length) == 0 && cred.uid == ::getuid()) {
+          clients.push_back({std::move(c)});
+        }
+      }
+      if ((fds[2].revents & POLLIN) != 0) {
+        Fd c(::accept4(tcpListener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+        if (c) {
+          std::scoped_lock lock(mutex);
+          std::erase_if(streams, [](Stream& s) {
+            if (!s.done) return false;
+            s.thread.join();
+            return true;
+          });
+          auto& s = streams.emplace_back();
+          s.fd = std::move(c);
+          s.thread = std::thread([this, &s] {
+            readStream(s.fd.get());
+            ::shutdown(s.fd.get(), SHUT_RDWR);  // the sender learns at once; the fd goes at the next accept
+            s.done = true;
+          });
+        }
+      }
+      auto it = clients.begin();
+      for (std::size_t i = 3; i < fds.size(); ++i, ++it) {
+        if (fds[i].revents == 0) continue;
+        bool keep = false;
+        try {
+          if (auto message = snapshot::receiveMessage(it->fd.get())) {
+            const std::string answer = serve(message->first, std::move(message->second), it->fd.get());
+            if (!answer.empty()) snapshot::sendMessage(it->fd.get(), answer);
+            keep = true;
+          }
+        } catch (const std::exception& e) {
+          log::warn("snapshot keeper: closed a worker's connection: {}", e.what());
+        }
+        if (!keep) it->fd.reset();
+      }
+      clients.remove_if([](const Client& c) { return !c.fd; });
+    }
+  }
+};
+
+SnapshotKeeper::SnapshotKeeper(KeeperOptions options) : impl_(std::make_unique<Impl>()) {
+  auto& d = *impl_;
+  d.options = std::move(options);
+  d.name = "fsdprun-snapshots-" + std::to_string(::getpid()) + "-" + toHex(randomBytes(6));
+  d.unixListener = Fd(snapshot::listenSeqpacket(d.name));
+  d.wake = Fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!d.wake) throwErrno("eventfd", errno);
+
+  Fd tcp(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!tcp) throwErrno("socket for peer snapshots", errno);
+  const int one = 1;
+  ::setsockopt(tcp.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  if (::inet_pton(AF_INET, d.options.listenAddress.c_str(), &addr.sin_addr) != 1) {
+    throw ConfigError("snapshot keeper: '" + d.options.listenAddress + "' is not an IPv4 address");
+  }
+  if (::bind(tcp.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
+    throwErrno("binding the peer snapshot port on " + d.options.listenAddress, errno);
+  }
+  if (::listen(tcp.get(), 16) != 0) throwErrno("listen for peer snapshots", errno);
+  socklen_t length = sizeof(addr);
+  ::getsockname(tcp.get(), reinterpret_cast<sockaddr*>(&addr), &length);
+  d.tcpPort = ntohs(addr.sin_port);
+  d.tcpListener = std::move(tcp);
+  d.loop = std::thread([&d] { d.run(); });
+}
+
+SnapshotKeeper::~SnapshotKeeper() {
+  auto& d = *impl_;
+  d.stopping = true;
+  const std::uint64_t one = 1;
+  [[maybe_unused]] const auto n = ::write(d.wake.get(), &one, sizeof(one));
+  if (d.loop.joinable()) d.loop.join();
+  std::list<Impl::Stream> streams;
+  {
+    std::scoped_lock lock(d.mutex);
+    streams.swap(d.streams);
+  }
+  for (auto& s : streams) ::shutdown(s.fd.get(), SHUT_RDWR);
+  for (auto& s : streams) {
+    if (s.thread.joinable()) s.thread.join();
+  }
+}
+
+const std::string& SnapshotKeeper::socketName() const { return impl_->name; }
+
+std::string SnapshotKeeper::peerEndpoint() const {
+  return impl_->options.listenAddress + ":" + std::to_string(impl_->tcpPort);
+}
+
+KeeperStats SnapshotKeeper::stats() const {
+  std::scoped_lock lock(impl_->mutex);
+  return {impl_->held, static_cast<int>(impl_->pieces.size()), impl_->refused};
+}
+
+}  // namespace fsdp::launcher

@@ -1,0 +1,98 @@
+// A training program that uses fsdp::Snapshotter directly (no Trainer), run under fsdprun by
+// snapshot_test.cpp:
+//   snapshot_worker OUT_DIR STEPS KILL_STEP [--other_model]
+// First attempt: trains STEPS steps (a snapshot after each); rank 1 SIGKILLs itself after
+// KILL_STEP. Every rank writes the hash of its parameter shard and optimizer state after each
+// step to OUT_DIR/hash_<rank>_<step>. A restarted attempt restores, checks the restored state
+// against the hash written for that step, trains to the end, and rank 0 prints one JSON line:
+// {"restored": step | null, "matches": bool, "steps": n}. With --other_model the restart builds
+// a model of other shapes: the snapshot must be refused (nothing restored).
+#include <ATen/Functions.h>
+#include <signal.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/dropout.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adam.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include "fsdp/common/sha256.hpp"
+#include "fsdp/worker/runtime.hpp"
+#include "fsdp/worker/snapshot.hpp"
+
+namespace {
+
+std::string stateHash(fsdp::FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer) {
+  fsdp::Sha256 hash;
+  const auto add = [&](const at::Tensor& t) {
+    const auto c = t.detach().to(at::kCPU).contiguous();
+    hash.update(std::string_view(static_cast<const char*>(c.data_ptr()), static_cast<std::size_t>(c.nbytes())));
+  };
+  for (const auto& p : model->parameters()) add(p);
+  for (const auto& [key, state] : optimizer.state()) {
+    const auto& adam = static_cast<const torch::optim::AdamParamState&>(*state);
+    add(adam.exp_avg());
+    add(adam.exp_avg_sq());
+  }
+  return hash.hexDigest();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 4) {
+    std::fprintf(stderr, "usage: snapshot_worker OUT_DIR STEPS KILL_STEP [--other_model]\n");
+    return 2;
+  }
+  const std::string out = argv[1];
+  const int steps = std::stoi(argv[2]);
+  const int killStep = std::stoi(argv[3]);
+  const bool otherModel = argc > 4 && std::string(argv[4]) == "--other_model";
+  auto rt = fsdp::init();
+  const bool restarted = rt->env().restartCount > 0;
+  torch::manual_seed(7);
+  torch::nn::Sequential net(torch::nn::Linear(32, 64), torch::nn::ReLU(), torch::nn::Dropout(0.3),
+                            torch::nn::Linear(64, restarted && otherModel ? 5 : 4));
+  fsdp::FullyShardedDataParallel model(net, rt->comm(), {});
+  torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(1e-2));
+  fsdp::Snapshotter snapshots(*rt);
+
+  std::int64_t step = 0;
+  std::optional<std::int64_t> restored;
+  bool matches = true;
+  if (auto progress = snapshots.restore(model, &optimizer)) {
+    step = progress->step;
+    restored = step;
+    std::ifstream in(out + "/hash_" + std::to_string(rt->rank()) + "_" + std::to_string(step));
+    std::string expected;
+    std::getline(in, expected);
+    matches = expected == stateHash(model, optimizer);
+  }
+  torch::manual_seed(100 + rt->rank() + step);
+  for (; step < steps;) {
+    const auto x = at::randn({16, 32});
+    optimizer.zero_grad();
+    model->forward(x).pow(2).mean().backward();
+    snapshots.wait();
+    optimizer.step();
+    ++step;
+    snapshots.save(model, &optimizer, {.step = step});
+    std::ofstream(out + "/hash_" + std::to_string(rt->rank()) + "_" + std::to_string(step)) << stateHash(model, optimizer)
+                                                                                           << "\n";
+    if (!restarted && rt->rank() == 1 && step == killStep) {
+      snapshots.wait();
+      ::kill(::getpid(), SIGKILL);
+    }
+  }
+  snapshots.wait();
+  if (rt->rank() == 0) {
+    std::printf("{\"restored\": %s, \"matches\": %s, \"steps\": %lld}\n",
+                restored ? std::to_string(*restored).c_str() : "null", matches ? "true" : "false",
+                static_cast<long long>(step));
+  }
+  return 0;
+}

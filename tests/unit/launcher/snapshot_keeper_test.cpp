@@ -1,0 +1,189 @@
+// The agent's snapshot keeper on its real sockets: what it keeps, what it refuses, and that a
+// bad client or a stranger's stream costs only that connection.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <nlohmann/json.hpp>
+
+#include "fsdp/common/error.hpp"
+#include "fsdp/common/snapshot_wire.hpp"
+#include "fsdp/launcher/snapshot_keeper.hpp"
+
+namespace {
+
+using fsdp::launcher::KeeperOptions;
+using fsdp::launcher::SnapshotKeeper;
+using fsdp::snapshot::Fd;
+using nlohmann::json;
+
+// A piece of `dataBytes` bytes of data for (rank, world, step), sealed unless asked not to.
+Fd makePiece(int rank, int world, std::int64_t step, std::uint64_t dataBytes = 4096, bool seal = true) {
+  const std::string header = json{{"rank", rank}, {"world", world}, {"step", step}, {"meta", json::object()},
+                                  {"blocks", json::array()}}
+                                 .dump();
+  const std::uint64_t total = fsdp::snapshot::dataOffsetFor(header.size()) + dataBytes;
+  Fd fd = fsdp::snapshot::createMemfd("test-piece", total);
+  void* map = ::mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+  EXPECT_NE(map, MAP_FAILED);
+  fsdp::snapshot::writePiecePrefix(static_cast<char*>(map), header);
+  ::munmap(map, total);
+  if (seal) fsdp::snapshot::sealPiece(fd.get());
+  return fd;
+}
+
+class Client {
+ public:
+  explicit Client(const SnapshotKeeper& keeper) : fd_(fsdp::snapshot::connectSeqpacket(keeper.socketName())) {}
+  json ask(const json& request, int passed = -1, Fd* received = nullptr) {
+    fsdp::snapshot::sendMessage(fd_.get(), request.dump(), passed);
+    auto answer = fsdp::snapshot::receiveMessage(fd_.get());
+    if (!answer) return json{{"closed", true}};
+    if (received != nullptr) *received = std::move(answer->second);
+    return json::parse(answer->first);
+  }
+  json put(Fd piece) { return ask({{"op", "put"}}, piece.get()); }
+  std::vector<std::tuple<int, int, std::int64_t, bool>> list() {
+    std::vector<std::tuple<int, int, std::int64_t, bool>> out;
+    const json answer = ask({{"op", "list"}});
+    for (const auto& p : answer["pieces"]) {
+      out.emplace_back(p["rank"].get<int>(), p["world"].get<int>(), p["step"].get<std::int64_t>(), p["peer"].get<bool>());
+    }
+    std::sort(out.begin(), out.end());
+    return out;
+  }
+  int fd() const { return fd_.get(); }
+
+ private:
+  Fd fd_;
+};
+
+KeeperOptions options(std::uint64_t limit = 1 << 30) {
+  return {.runId = "keeper-test", .memoryLimit = limit, .listenAddress = "127.0.0.1", .token = "secret"};
+}
+
+TEST(SnapshotKeeper, KeepsTheNewestThreePerRankAndHandsThemBackUnchanged) {
+  SnapshotKeeper keeper(options());
+  Client c(keeper);
+  for (int step = 1; step <= 5; ++step) {
+    for (int rank = 0; rank < 2; ++rank) EXPECT_TRUE(c.put(makePiece(rank, 2, step))["ok"].get<bool>());
+  }
+  using T = std::tuple<int, int, std::int64_t, bool>;
+  EXPECT_EQ(c.list(), (std::vector<T>{{0, 2, 3, false}, {0, 2, 4, false}, {0, 2, 5, false},
+                                     {1, 2, 3, false}, {1, 2, 4, false}, {1, 2, 5, false}}));
+  Fd piece;
+  const auto answer = c.ask({{"op", "get"}, {"rank", 1}, {"world", 2}, {"step", 4}}, -1, &piece);
+  ASSERT_TRUE(answer["ok"].get<bool>()) << answer;
+  ASSERT_TRUE(piece);
+  EXPECT_TRUE(fsdp::snapshot::isSealed(piece.get()));
+  const auto header = json::parse(fsdp::snapshot::readPieceHeader(piece.get(), "piece"));
+  EXPECT_EQ(header["step"], 4);
+  EXPECT_EQ(header["rank"], 1);
+  EXPECT_FALSE(c.ask({{"op", "get"}, {"rank", 1}, {"world", 2}, {"step", 1}})["ok"].get<bool>());
+  // A piece of a new world size replaces every piece of the old one.
+  EXPECT_TRUE(c.put(makePiece(0, 1, 9))["ok"].get<bool>());
+  EXPECT_EQ(c.list(), (std::vector<T>{{0, 1, 9, false}}));
+}
+
+TEST(SnapshotKeeper, AnUnsealedPieceOrGarbageIsRefusedAndTheKeeperServesOn) {
+  SnapshotKeeper keeper(options());
+  Client c(keeper);
+  const auto unsealed = c.put(makePiece(0, 1, 1, 4096, /*seal=*/false));
+  EXPECT_FALSE(unsealed["ok"].get<bool>());
+  EXPECT_NE(unsealed["error"].get<std::string>().find("sealed"), std::string::npos);
+  Fd notAPiece = fsdp::snapshot::createMemfd("junk", 100);
+  fsdp::snapshot::sealPiece(notAPiece.get());
+  const auto junk = c.put(std::move(notAPiece));
+  EXPECT_FALSE(junk["ok"].get<bool>());
+  EXPECT_NE(junk["error"].get<std::string>().find("not a snapshot"), std::string::npos) << junk;
+  EXPECT_FALSE(c.ask({{"op", "nope"}})["ok"].get<bool>());
+  EXPECT_FALSE(c.put(Fd())["ok"].get<bool>());  // a put without a piece
+  // Another connection is unaffected, and the first still works.
+  Client other(keeper);
+  EXPECT_TRUE(other.put(makePiece(0, 1, 2))["ok"].get<bool>());
+  EXPECT_EQ(c.list().size(), 1u);
+  EXPECT_EQ(keeper.stats().piecesHeld, 1);
+}
+
+TEST(SnapshotKeeper, ThePieceThatDoesNotFitTheLimitIsRefusedNamingIt) {
+  // Room for about three 64 KiB pieces.
+  SnapshotKeeper keeper(options(200 * 1024));
+  Client c(keeper);
+  for (int step = 1; step <= 6; ++step) {
+    EXPECT_TRUE(c.put(makePiece(0, 1, step, 60 * 1024))["ok"].get<bool>()) << step;
+  }
+  EXPECT_LE(keeper.stats().bytesHeld, 200u * 1024);
+  const auto big = c.put(makePiece(0, 1, 7, 400 * 1024));
+  EXPECT_FALSE(big["ok"].get<bool>());
+  EXPECT_NE(big["error"].get<std::string>().find("--snapshot_memory_limit"), std::string::npos) << big;
+  // What that rank held is older than what it could not keep: dropped, never restored.
+  EXPECT_TRUE(c.list().empty());
+  EXPECT_EQ(keeper.stats().refused, 1);
+}
+
+// Sends one peer stream frame; the reply, or nullopt when the keeper closed the stream.
+std::optional<json> sendPeer(const SnapshotKeeper& keeper, const json& header, int piece, std::uint64_t bytes) {
+  const std::string endpoint = keeper.peerEndpoint();
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<std::uint16_t>(std::stoi(endpoint.substr(endpoint.rfind(':') + 1))));
+  ::inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+  Fd fd(::socket(AF_INET, SOCK_STREAM, 0));
+  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) return std::nullopt;
+  const std::string text = header.dump();
+  const auto length = static_cast<std::uint32_t>(text.size());
+  fsdp::snapshot::writeAll(fd.get(), &length, sizeof(length));
+  fsdp::snapshot::writeAll(fd.get(), text.data(), text.size());
+  std::vector<char> data(bytes);
+  if (::pread(piece, data.data(), bytes, 0) != static_cast<ssize_t>(bytes)) return std::nullopt;
+  try {
+    fsdp::snapshot::writeAll(fd.get(), data.data(), data.size());
+  } catch (const fsdp::Error&) {
+    return std::nullopt;  // closed on us
+  }
+  std::uint32_t replyLength = 0;
+  if (!fsdp::snapshot::readAll(fd.get(), &replyLength, sizeof(replyLength))) return std::nullopt;
+  std::string reply(replyLength, '\0');
+  if (!fsdp::snapshot::readAll(fd.get(), reply.data(), reply.size())) return std::nullopt;
+  return json::parse(reply);
+}
+
+TEST(SnapshotKeeper, APeerStreamFromTheJobIsKeptAndAStrangersIsNot) {
+  SnapshotKeeper keeper(options());
+  Fd piece = makePiece(3, 4, 11);
+  const std::uint64_t bytes = fsdp::snapshot::fileBytes(piece.get());
+  json header{{"run", "keeper-test"}, {"rank", 3}, {"world", 4}, {"step", 11}, {"bytes", bytes},
+              {"mac", fsdp::snapshot::peerMac("wrong token", "keeper-test", 3, 4, 11, bytes)}};
+  const auto stranger = sendPeer(keeper, header, piece.get(), bytes);
+  EXPECT_FALSE(stranger.has_value() && stranger->value("ok", false));
+  Client c(keeper);
+  EXPECT_TRUE(c.list().empty());
+  header["mac"] = fsdp::snapshot::peerMac("secret", "keeper-test", 3, 4, 11, bytes);
+  const auto member = sendPeer(keeper, header, piece.get(), bytes);
+  ASSERT_TRUE(member.has_value());
+  EXPECT_TRUE(member->value("ok", false)) << *member;
+  using T = std::tuple<int, int, std::int64_t, bool>;
+  EXPECT_EQ(c.list(), (std::vector<T>{{3, 4, 11, true}}));
+}
+
+TEST(SnapshotKeeper, SizesParseAsTheFlagSaysAndBadOnesNameTheFlag) {
+  EXPECT_EQ(fsdp::launcher::parseByteSize("0", "--f"), 0u);
+  EXPECT_EQ(fsdp::launcher::parseByteSize("512M", "--f"), 512ull << 20);
+  EXPECT_EQ(fsdp::launcher::parseByteSize("4G", "--f"), 4ull << 30);
+  EXPECT_EQ(fsdp::launcher::parseByteSize("1.5K", "--f"), 1536u);
+  EXPECT_EQ(fsdp::launcher::parseByteSize("1000", "--f"), 1000u);
+  for (const std::string bad : {"", "lots", "-1G", "4X", "G"}) {
+    try {
+      fsdp::launcher::parseByteSize(bad, "--snapshot_memory_limit");
+      ADD_FAILURE() << "'" << bad << "' was accepted";
+    } catch (const fsdp::ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("--snapshot_memory_limit '" + bad + "'"), std::string::npos) << e.what();
+    }
+  }
+}
+
+}  // namespace

@@ -1,0 +1,83 @@
+#pragma once
+// In-memory snapshots: after a step, each rank hands a copy of its training state (its
+// parameter and optimizer shards, RNG, buffers, data position, step) to its agent, which holds
+// it across the worker's death; a copy also goes to the next node's agent. After a restart,
+// restore() brings back the newest step that every rank holds, so a failure costs at most the
+// step in progress instead of everything since the last disk checkpoint.
+//
+//   fsdp::Snapshotter snapshots(*rt);                // collective
+//   if (auto p = snapshots.restore(model, &optimizer)) step = p->step;  // else: disk, or start
+//   for (...) {
+//     ... forward, backward ...
+//     snapshots.wait();                              // the previous copy is done
+//     optimizer.step();
+//     snapshots.save(model, &optimizer, {.step = ++step, .position = next, .seed = seed});
+//   }
+//
+// The copy runs on a background thread while the next step computes: call wait() before
+// anything changes the parameters or the optimizer state (the next optimizer step, a load).
+// Active only under fsdprun with --max_restarts > 0 (its agent keeps snapshots); elsewhere
+// every call does nothing. A snapshot the agent cannot hold (--snapshot_memory_limit) turns
+// snapshots off for the run with one warning; training goes on.
+//
+// Thread-safety: one Snapshotter per rank, used from the training thread.
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "fsdp/worker/checkpoint.hpp"
+#include "fsdp/worker/fsdp.hpp"
+
+namespace torch::optim {
+class Optimizer;
+}
+
+namespace fsdp::worker {
+
+class Runtime;
+
+struct SnapshotOptions {
+  bool peerCopy = true;  // also send each snapshot to the next node's agent (multi-node jobs)
+  std::chrono::milliseconds timeout{120000};  // bound on the agents' replies
+};
+
+class Snapshotter {
+ public:
+  // Collective: the ranks agree whether every one of them has an agent that keeps snapshots, and
+  // learn where the next node's agent listens.
+  explicit Snapshotter(Runtime& runtime, SnapshotOptions options = {});
+  ~Snapshotter();
+  Snapshotter(const Snapshotter&) = delete;
+  Snapshotter& operator=(const Snapshotter&) = delete;
+
+  // Whether snapshots are kept (every rank under an agent that keeps them, none refused yet).
+  bool enabled() const;
+
+  // Starts a snapshot of the state after `progress.step`. The RNG is captured now; the shards
+  // and the optimizer state are copied on a background thread until wait().
+  void save(FullyShardedDataParallel& model, torch::optim::Optimizer* optimizer, const TrainingProgress& progress);
+  // Waits for the snapshot in flight (copied and held by the agent).
+  void wait();
+
+  // Collective. Restores the newest step whose snapshot every rank can read (on this node, or
+  // from the peer copy when a node was lost: then resharded to this world size). nullopt, with
+  // one line on rank 0 saying why, when there is none or it does not fit the model; nothing is
+  // changed then.
+  std::optional<TrainingProgress> restore(FullyShardedDataParallel& model, torch::optim::Optimizer* optimizer);
+  // After a restore: "memory" (this node's) or "peer copy" (a lost node's, from its peer).
+  const std::string& restoredFrom() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace fsdp::worker
+
+namespace fsdp {
+using worker::SnapshotOptions;
+using worker::Snapshotter;
+}  // namespace fsdp

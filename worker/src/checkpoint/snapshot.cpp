@@ -1,0 +1,361 @@
+// In-memory snapshots (snapshot.hpp): a rank's checkpoint plan written into a sealed memfd on a
+// background thread, handed to the agent's keeper, copied to the next node's keeper; restored
+// through the checkpoint loader from pieces the keeper hands back.
+#include "fsdp/worker/snapshot.hpp"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/mman.h>
+#include <sys/sendfile.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <set>
+#include <thread>
+
+#include "checkpoint_internal.hpp"
+#include "fsdp/common/log.hpp"
+#include "fsdp/common/snapshot_wire.hpp"
+#include "fsdp/worker/runtime.hpp"
+
+namespace fsdp::worker {
+
+using namespace detail;
+using snapshot::Fd;
+
+namespace {
+
+constexpr int kSlots = 8;  // steps each rank offers in the restore agreement
+
+Fd connectTcp(const std::string& endpoint) {
+  const auto colon = endpoint.rfind(':');
+  if (colon == std::string::npos) throw ConfigError("FSDPRUN_SNAPSHOT_PEER '" + endpoint + "': expected HOST:PORT");
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<std::uint16_t>(std::stoi(endpoint.substr(colon + 1))));
+  if (::inet_pton(AF_INET, endpoint.substr(0, colon).c_str(), &addr.sin_addr) != 1) {
+    throw ConfigError("the peer snapshot endpoint '" + endpoint + "' is not an IPv4 address");
+  }
+  Fd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd) throwErrno("socket", errno);
+  if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
+    throwErrno("connecting to the peer snapshot keeper at " + endpoint, errno);
+  }
+  const int one = 1;
+  ::setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  return fd;
+}
+
+void setTimeouts(int fd, std::chrono::milliseconds timeout) {
+  timeval tv{};
+  tv.tv_sec = static_cast<time_t>(timeout.count() / 1000);
+  tv.tv_usec = static_cast<suseconds_t>(timeout.count() % 1000 * 1000);
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+}
+
+}  // namespace
+
+struct Snapshotter::Impl {
+  Runtime& runtime;
+  SnapshotOptions options;
+  bool enabled = false;
+  Fd keeper;           // this node's keeper (Unix SOCK_SEQPACKET)
+  std::string peerEndpoint;  // the next node's keeper, "" when none
+  Fd peer;
+  std::string token;
+  std::thread worker;
+  std::atomic<bool> refused{false};
+  bool peerFailed = false;
+  std::string restoredFrom;
+
+  Impl(Runtime& rt, SnapshotOptions o) : runtime(rt), options(o) {}
+
+  json ask(const json& request, int fd = -1, Fd* passed = nullptr) {
+    snapshot::sendMessage(keeper.get(), request.dump(), fd);
+    auto answer = snapshot::receiveMessage(keeper.get());
+    if (!answer) throw Error("this node's agent closed the snapshot socket");
+    if (passed != nullptr) *passed = std::move(answer->second);
+    return json::parse(answer->first);
+  }
+
+  // The background half of save(): write, seal, hand over, copy to the peer.
+  void write(RankPlan plan, json meta, std::int64_t step) {
+    const int rank = runtime.rank();
+    const int world = runtime.worldSize();
+    std::uint64_t offset = 0;
+    json blocks = json::array();
+    for (auto& b : plan.blocks) {
+      b.offset = offset;
+      offset += b.bytes;
+      blocks.push_back(blockJson(b));
+    }
+    const std::string header =
+        json{{"rank", rank}, {"world", world}, {"step", step}, {"meta", std::move(meta)}, {"blocks", blocks}}.dump();
+    const std::uint64_t dataOffset = snapshot::dataOffsetFor(header.size());
+    const std::uint64_t total = dataOffset + offset;
+    Fd piece = snapshot::createMemfd("fsdprun-snapshot-r" + std::to_string(rank) + "-s" + std::to_string(step), total);
+    void* map = ::mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, piece.get(), 0);
+    if (map == MAP_FAILED) throwErrno("mapping a snapshot of " + std::to_string(total) + " bytes", errno);
+    auto* base = static_cast<char*>(map);
+    snapshot::writePiecePrefix(base, header);
+    for (std::size_t i = 0; i < plan.blocks.size(); ++i) {
+      std::memcpy(base + dataOffset + plan.blocks[i].offset, plan.data[i].data_ptr(), plan.blocks[i].bytes);
+    }
+    ::munmap(map, total);
+    plan.data.clear();  // the views of the live tensors go before the training thread goes on
+    snapshot::sealPiece(piece.get());
+    const json answer = ask({{"op", "put"}}, piece.get());
+    if (!answer.value("ok", false)) {
+      refused = true;
+      log::warn("rank {}: in-memory snapshots are off for this run: {}; disk checkpoints go on", rank,
+                answer.value("error", std::string("refused")));
+      return;
+    }
+    if (peerEndpoint.empty() || peerFailed) return;
+    try {
+      if (!peer) {
+        peer = connectTcp(peerEndpoint);
+        setTimeouts(peer.get(), options.timeout);
+      }
+      const std::string frame =
+          json{{"run", runtime.env().runId}, {"rank", rank}, {"world", world}, {"step", step}, {"bytes", total},
+               {"mac", snapshot::peerMac(token, runtime.env().runId, rank, world, step, total)}}
+              .dump();
+      const auto length = static_cast<std::uint32_t>(frame.size());
+      snapshot::writeAll(peer.get(), &length, sizeof(length));
+      snapshot::writeAll(peer.get(), frame.data(), frame.size());
+      off_t from = 0;
+      while (static_cast<std::uint64_t>(from) < total) {
+        const ssize_t n = ::sendfile(peer.get(), piece.get(), &from, total - static_cast<std::uint64_t>(from));
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) throwErrno("sending a snapshot to " + peerEndpoint, errno);
+      }
+      std::uint32_t replyLength = 0;
+      if (!snapshot::readAll(peer.get(), &replyLength, sizeof(replyLength)) || replyLength > 65536) {
+        throw Error("the peer keeper at " + peerEndpoint + " closed the stream");
+      }
+      std::string reply(replyLength, '\0');
+      if (!snapshot::readAll(peer.get(), reply.data(), reply.size())) throw Error("the peer keeper closed the stream");
+      const json r = json::parse(reply, nullptr, false);
+      if (!r.is_object() || !r.value("ok", false)) {
+        throw Error(r.is_object() ? r.value("error", std::string("refused")) : std::string("a malformed reply"));
+      }
+    } catch (const std::exception& e) {
+      peerFailed = true;
+      peer.reset();
+      log::warn("rank {}: no peer copies of snapshots from now on ({}): a lost node resumes from disk", rank,
+                e.what());
+    }
+  }
+};
+
+Snapshotter::Snapshotter(Runtime& runtime, SnapshotOptions options)
+    : impl_(std::make_unique<Impl>(runtime, options)) {
+  auto& d = *impl_;
+  const char* socket = std::getenv("FSDPRUN_SNAPSHOT_SOCKET");
+  bool mine = false;
+  if (socket != nullptr && *socket != '\0') {
+    try {
+      d.keeper = Fd(snapshot::connectSeqpacket(socket));
+      setTimeouts(d.keeper.get(), options.timeout);
+      mine = true;
+    } catch (const Error& e) {
+      log::warn("rank {}: no in-memory snapshots: {}", runtime.rank(), e.what());
+    }
+  }
+  auto all = at::full({1}, mine ? 1.0 : 0.0, at::kDouble);
+  runtime.cpuComm().allReduce(all, ReduceOp::kMin).wait();
+  d.enabled = all.item<double>() > 0;
+  if (!d.enabled) {
+    d.keeper.reset();
+    return;
+  }
+  const auto& env = runtime.env();
+  if (!env.tokenFile.empty()) {
+    std::ifstream in(env.tokenFile);
+    std::getline(in, d.token);
+  }
+  if (options.peerCopy && env.groupWorldSize > 1) {
+    const std::string prefix = runtime.roundPrefix() + "snapshot/peer/";
+    if (env.localRank == 0) {
+      const char* mineEndpoint = std::getenv("FSDPRUN_SNAPSHOT_PEER");
+      runtime.store().set(prefix + std::to_string(env.groupRank), mineEndpoint != nullptr ? mineEndpoint : "");
+    }
+    d.peerEndpoint = runtime.store().get(prefix + std::to_string((env.groupRank + 1) % env.groupWorldSize),
+                                         options.timeout);
+  }
+}
+
+Snapshotter::~Snapshotter() {
+  try {
+    wait();
+  } catch (const std::exception& e) {
+    log::warn("an in-memory snapshot failed: {}", e.what());
+  }
+}
+
+bool Snapshotter::enabled() const { return impl_->enabled && !impl_->refused; }
+
+const std::string& Snapshotter::restoredFrom() const { return impl_->restoredFrom; }
+
+void Snapshotter::wait() {
+  if (impl_->worker.joinable()) impl_->worker.join();
+}
+
+void Snapshotter::save(FullyShardedDataParallel& model, torch::optim::Optimizer* optimizer,
+                       const TrainingProgress& progress) {
+  auto& d = *impl_;
+  wait();
+  if (!enabled()) return;
+  // Buffers change in the next forward: copied now (they are small); shards and optimizer state
+  // only change at the next optimizer step, after wait().
+  auto state = describeRank(model, optimizer, progress, d.runtime.rank(), d.runtime.worldSize(), /*copy=*/false,
+                            /*buffers=*/false, /*withMeta=*/true);
+  for (const auto& item : model->module()->named_buffers()) {
+    Block b{.what = "buffer/" + item.key()};
+    b.shape = item.value().sizes().vec();
+    addBlock(state.plan, b, item.value().detach(), /*copy=*/true);
+  }
+  d.worker = std::thread([&d, plan = std::move(state.plan), meta = std::move(state.meta), step = progress.step]() mutable {
+    try {
+      d.write(std::move(plan), std::move(meta), step);
+    } catch (const std::exception& e) {
+      d.refused = true;
+      log::warn("rank {}: an in-memory snapshot of step {} failed ({}); snapshots are off for this run", d.runtime.rank(),
+                step, e.what());
+    }
+  });
+}
+
+std::optional<TrainingProgress> Snapshotter::restore(FullyShardedDataParallel& model,
+                                                     torch::optim::Optimizer* optimizer) {
+  auto& d = *impl_;
+  wait();
+  if (!d.enabled) return std::nullopt;
+  const int rank = d.runtime.rank();
+  const int world = d.runtime.worldSize();
+
+  // What this node's keeper holds: (rank, world, step) -> peer?
+  std::map<std::tuple<int, int, std::int64_t>, bool> held;
+  try {
+    const json list = d.ask({{"op", "list"}});
+    for (const auto& p : list.at("pieces")) {
+      held[{p.at("rank").get<int>(), p.at("world").get<int>(), p.at("step").get<std::int64_t>()}] = p.value("peer", false);
+    }
+  } catch (const std::exception& e) {
+    log::warn("rank {}: cannot list the agent's snapshots: {}", rank, e.what());
+    held.clear();
+  }
+  // Offers: steps of this rank at this world size; steps whose every rank is here (any world).
+  std::set<std::int64_t, std::greater<>> own;
+  std::set<std::pair<std::int64_t, int>, std::greater<>> full;
+  for (const auto& [key, peer] : held) {
+    const auto [r, w, s] = key;
+    if (w == world && r == rank) own.insert(s);
+    bool all = true;
+    for (int q = 0; q < w && all; ++q) all = held.contains({q, w, s});
+    if (all) full.insert({s, w});
+  }
+  auto offer = at::full({2 * kSlots}, std::int64_t{-1}, at::kLong);
+  auto* o = offer.data_ptr<std::int64_t>();
+  int i = 0;
+  for (const auto s : own) {
+    if (i == kSlots) break;
+    o[i++] = s;
+  }
+  i = 0;
+  for (const auto& [s, w] : full) {
+    if (i == kSlots) break;
+    o[kSlots + i++] = s * 65536 + w;
+  }
+  auto offers = at::empty({world * 2 * kSlots}, at::kLong);
+  d.runtime.cpuComm().allGather(offer, offers).wait();
+  const auto* all = offers.data_ptr<std::int64_t>();
+  const auto everyone = [&](int base, std::int64_t value) {
+    for (int r = 0; r < world; ++r) {
+      const auto* row = all + r * 2 * kSlots + base;
+      if (std::find(row, row + kSlots, value) == row + kSlots) return false;
+    }
+    return true;
+  };
+  std::int64_t bestOwn = -1, bestFull = -1;
+  for (int k = 0; k < kSlots; ++k) {
+    if (all[k] >= 0 && all[k] > bestOwn && everyone(0, all[k])) bestOwn = all[k];
+    const std::int64_t f = all[kSlots + k];
+    if (f >= 0 && (bestFull < 0 || f / 65536 > bestFull / 65536) && everyone(kSlots, f)) bestFull = f;
+  }
+  bool anyHeld = false;
+  {
+    auto any = at::full({1}, held.empty() ? 0.0 : 1.0, at::kDouble);
+    d.runtime.cpuComm().allReduce(any, ReduceOp::kMax).wait();
+    anyHeld = any.item<double>() > 0;
+  }
+  if (bestOwn < 0 && bestFull < 0) {
+    if (anyHeld && rank == 0) {
+      log::warn("no in-memory snapshot is held for every rank of this world ({}): resuming from disk", world);
+    }
+    return std::nullopt;
+  }
+  const bool sameWorld = bestOwn >= 0 && (bestFull < 0 || bestOwn >= bestFull / 65536);
+  const std::int64_t step = sameWorld ? bestOwn : bestFull / 65536;
+  const int oldWorld = sameWorld ? world : static_cast<int>(bestFull % 65536);
+  const std::string label = "the in-memory snapshot of step " + std::to_string(step);
+
+  // Fetch the pieces and lay them out as a checkpoint's files.
+  std::string failure;
+  Manifest m;
+  m.path = label;
+  std::vector<std::pair<int, Fd>> pieces;
+  bool fromPeer = false;
+  try {
+    json files = json::array();
+    json meta;
+    for (int q = 0; q < oldWorld; ++q) {
+      if (sameWorld && q != rank) {
+        files.push_back({{"rank", q}, {"bytes", 0}, {"blocks", json::array()}});
+        continue;
+      }
+      Fd fd;
+      const json answer = d.ask({{"op", "get"}, {"rank", q}, {"world", oldWorld}, {"step", step}}, -1, &fd);
+      if (!answer.value("ok", false) || !fd) {
+        throw ConfigError(label + ": the agent no longer holds rank " + std::to_string(q) + "'s part");
+      }
+      fromPeer = fromPeer || answer.value("peer", false);
+      const json header = json::parse(snapshot::readPieceHeader(fd.get(), label + " of rank " + std::to_string(q)));
+      if (header.at("step").get<std::int64_t>() != step || header.at("world").get<int>() != oldWorld ||
+          header.at("rank").get<int>() != q) {
+        throw ConfigError(label + ": rank " + std::to_string(q) + "'s part is of another step or world");
+      }
+      const std::uint64_t dataOffset = snapshot::dataOffsetFor(snapshot::readPieceHeader(fd.get(), label).size());
+      json blocks = header.at("blocks");
+      for (auto& b : blocks) b["offset"] = b.at("offset").get<std::uint64_t>() + dataOffset;
+      files.push_back({{"rank", q}, {"bytes", snapshot::fileBytes(fd.get())}, {"blocks", blocks}});
+      if (meta.is_null()) meta = header.at("meta");
+      pieces.emplace_back(q, std::move(fd));
+    }
+    meta["files"] = std::move(files);
+    m = manifestFromMeta(std::move(meta), label);
+    m.checkCrc = false;
+  } catch (const std::exception& e) {
+    failure = e.what();
+  }
+  Reader reader(m);
+  for (auto& [q, fd] : pieces) reader.adopt(q, std::make_unique<File>(fd.release(), label + " of rank " + std::to_string(q)));
+  try {
+    auto progress = loadManifest(d.runtime, m, reader, model, optimizer,
+                                 d.runtime.roundPrefix() + "snapshot/load/" + std::to_string(step) + "/error", failure);
+    auto from = at::full({1}, fromPeer ? 1.0 : 0.0, at::kDouble);
+    d.runtime.cpuComm().allReduce(from, ReduceOp::kMax).wait();
+    d.restoredFrom = from.item<double>() > 0 ? "peer copy" : "memory";
+    return progress;
+  } catch (const ConfigError& e) {
+    if (rank == 0) log::warn("{} was refused: {}; resuming from disk", label, e.what());
+    return std::nullopt;
+  }
+}
+
+}  // namespace fsdp::worker
