@@ -140,6 +140,15 @@ int main(int argc, char** argv) {
        "FULL_SHARD 2 ranks vs one PyTorch process (--model deep|shallow)",
        {"model", "epochs"},
        accuracy},
+      {"recovery",
+       "a worker (or a whole agent) SIGKILLed at a random step: steps redone, kill -> state restored "
+       "and -> first new step; fsdprun's in-memory snapshots (1 agent x 2 workers, 2 agents x 1, agent "
+       "kill in --nnodes 1:2: the peer copy) vs torchrun + DDP + torch.save every --checkpoint_every "
+       "(10,50) steps (DeepNet); and the snapshots' per-step cost, --snapshot_every 1 vs 0 (--models "
+       "deep,gpt --steps 24 --batch_size 32 --reps 1 --seed N --torchrun 0|1 --cases "
+       "worker,agents_worker,agent,overhead)",
+       {"models", "steps", "batch_size", "reps", "seed", "torchrun", "cases", "checkpoint_every"},
+       recovery},
       {"collectives",
        "all-gather / reduce-scatter / all-reduce: our shared-memory communicator vs our Gloo one vs "
        "torch.distributed Gloo (--mb 1,16,128 --ranks 2,4 --reps 5)",

@@ -31,15 +31,14 @@ Fd createMemfd(const std::string& name, std::uint64_t bytes) {
   return fd;
 }
 
-void sealPiece(int fd) {
-  if (::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL) != 0) {
-    throwErrno("sealing a snapshot", errno);
-  }
+void sealPiece(int fd, bool writes) {
+  const int seals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL | (writes ? F_SEAL_WRITE : 0);
+  if (::fcntl(fd, F_ADD_SEALS, seals) != 0) throwErrno("sealing a snapshot", errno);
 }
 
 bool isSealed(int fd) {
   const int seals = ::fcntl(fd, F_GET_SEALS);
-  const int want = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE;
+  const int want = F_SEAL_SHRINK | F_SEAL_GROW;
   return seals >= 0 && (seals & want) == want;
 }
 

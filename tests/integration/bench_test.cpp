@@ -1,8 +1,10 @@
-// fsdp-bench's store benchmarks at toy sizes: they run with only the flags a user gives, print
-// one JSON line per size with every setup's figures, and a bad flag value is a usage error.
-// (The figures themselves are the benchmark's business, not a test's.)
+// fsdp-bench's store benchmarks and recovery at toy sizes: they run with only the flags a user
+// gives, print one JSON line per size or case with every setup's figures, and a bad flag value is
+// a usage error. (The figures themselves are the benchmark's business, not a test's, except
+// recovery's steps redone: at most one with a snapshot every step is the feature's promise.)
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -59,11 +61,49 @@ TEST(FsdpBench, RdzvJoinReportsItsRound) {
   EXPECT_GT(lines.front().at("first_join_to_last_assignment_s").get<double>(), 0.0);
 }
 
+TEST(FsdpBench, RecoveryResumesAKilledWorkerFromItsInMemorySnapshot) {
+  if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist")) {
+    GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  }
+  // gpt at its bench size: a step takes tens of milliseconds (DeepNet's second is the bench's).
+  const auto r = fsdp::testing::runCommand({kBench, "recovery", "--models", "gpt", "--cases", "worker",
+                                            "--torchrun", "0", "--steps", "15", "--seed", "7"},
+                                           110s);
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  const auto lines = jsonLines(r.out);
+  ASSERT_EQ(lines.size(), 1u) << r.out;
+  const auto& line = lines.front();
+  EXPECT_FALSE(line.contains("error")) << line;
+  EXPECT_EQ(line.at("bench"), "recovery");
+  EXPECT_EQ(line.at("system"), "fsdprun");
+  EXPECT_EQ(line.at("model"), "gpt");
+  EXPECT_EQ(line.at("layout"), "2x1");
+  EXPECT_EQ(line.at("kill"), "worker");
+  EXPECT_EQ(line.at("seed"), 7);
+  EXPECT_EQ(line.at("finished"), true) << line;
+  EXPECT_EQ(line.at("source"), "memory") << line;
+  // A snapshot every step: the kill costs at most the step whose snapshot was being copied.
+  EXPECT_GE(line.at("steps_redone").get<long long>(), 0) << line;
+  EXPECT_LE(line.at("steps_redone").get<long long>(), 1) << line;
+  EXPECT_GT(line.at("kill_to_restored_s").get<double>(), 0.0) << line;
+  EXPECT_GE(line.at("kill_to_first_step_s").get<double>(), line.at("kill_to_restored_s").get<double>()) << line;
+  EXPECT_GT(line.at("step_ms").get<double>(), 0.0) << line;
+}
+
 TEST(FsdpBench, ABadFlagValueIsAUsageErrorNamingTheFlag) {
   for (const std::vector<std::string>& args : {std::vector<std::string>{"--nodes", "0"},
                                               {"--clients", "ten"},
                                               {"--client", "python"}}) {
     std::vector<std::string> argv = {kBench, "store_init"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    const auto r = fsdp::testing::runCommand(argv, 30s);
+    EXPECT_EQ(r.exitCode, 2) << args[0] << ": " << r.err;
+    EXPECT_NE(r.err.find(args[0] + " '" + args[1] + "'"), std::string::npos) << r.err;
+  }
+  for (const std::vector<std::string>& args : {std::vector<std::string>{"--cases", "node"},
+                                              {"--models", "shallow"},
+                                              {"--torchrun", "yes"}}) {
+    std::vector<std::string> argv = {kBench, "recovery"};
     argv.insert(argv.end(), args.begin(), args.end());
     const auto r = fsdp::testing::runCommand(argv, 30s);
     EXPECT_EQ(r.exitCode, 2) << args[0] << ": " << r.err;

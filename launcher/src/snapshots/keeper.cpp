@@ -170,14 +170,25 @@ struct SnapshotKeeper::Impl {
     const std::string op = request.value("op", "");
     if (op == "put") {
       if (!passed) return json{{"ok", false}, {"error", "a put carries no piece"}}.dump();
-      if (!snapshot::isSealed(passed.get())) return json{{"ok", false}, {"error", "a piece must be sealed"}}.dump();
+      if (!snapshot::isSealed(passed.get())) {
+        return json{{"ok", false}, {"error", "a piece must be sealed against growing and shrinking"}}.dump();
+      }
+      int rank = -1;
       try {
-        const std::string error = admit(inspect(std::move(passed), false));
+        Piece p = inspect(std::move(passed), false);
+        rank = p.rank;
+        const std::string error = admit(std::move(p));
         if (!error.empty()) return json{{"ok", false}, {"error", error}}.dump();
       } catch (const std::exception& e) {
         return json{{"ok", false}, {"error", e.what()}}.dump();
       }
-      return json{{"ok", true}}.dump();
+      // The steps of this rank still held: the worker may write into the memory of any other.
+      std::scoped_lock lock(mutex);
+      json held = json::array();
+      for (const auto& p : pieces) {
+        if (p.rank == rank && !p.peer) held.push_back(p.step);
+      }
+      return json{{"ok", true}, {"held", held}}.dump();
     }
     if (op == "list") {
       std::scoped_lock lock(mutex);
@@ -240,7 +251,7 @@ struct SnapshotKeeper::Impl {
         const bool complete = snapshot::readAll(fd, map, bytes);
         ::munmap(map, bytes);
         if (!complete) return;
-        snapshot::sealPiece(memfd.get());
+        snapshot::sealPiece(memfd.get(), /*writes=*/true);
         std::string error;
         try {
           Piece p = inspect(std::move(memfd), true);

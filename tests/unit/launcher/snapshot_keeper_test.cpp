@@ -32,7 +32,7 @@ Fd makePiece(int rank, int world, std::int64_t step, std::uint64_t dataBytes = 4
   EXPECT_NE(map, MAP_FAILED);
   fsdp::snapshot::writePiecePrefix(static_cast<char*>(map), header);
   ::munmap(map, total);
-  if (seal) fsdp::snapshot::sealPiece(fd.get());
+  if (seal) fsdp::snapshot::sealPiece(fd.get(), /*writes=*/false);
   return fd;
 }
 
@@ -70,7 +70,16 @@ TEST(SnapshotKeeper, KeepsTheNewestThreePerRankAndHandsThemBackUnchanged) {
   SnapshotKeeper keeper(options());
   Client c(keeper);
   for (int step = 1; step <= 5; ++step) {
-    for (int rank = 0; rank < 2; ++rank) EXPECT_TRUE(c.put(makePiece(rank, 2, step))["ok"].get<bool>());
+    for (int rank = 0; rank < 2; ++rank) {
+      const auto answer = c.put(makePiece(rank, 2, step));
+      EXPECT_TRUE(answer["ok"].get<bool>());
+      // What the worker may not overwrite yet: this rank's newest three.
+      std::vector<std::int64_t> expected;
+      for (int s = std::max(1, step - 2); s <= step; ++s) expected.push_back(s);
+      auto held = answer["held"].get<std::vector<std::int64_t>>();
+      std::sort(held.begin(), held.end());
+      EXPECT_EQ(held, expected) << answer;
+    }
   }
   using T = std::tuple<int, int, std::int64_t, bool>;
   EXPECT_EQ(c.list(), (std::vector<T>{{0, 2, 3, false}, {0, 2, 4, false}, {0, 2, 5, false},
@@ -96,7 +105,7 @@ TEST(SnapshotKeeper, AnUnsealedPieceOrGarbageIsRefusedAndTheKeeperServesOn) {
   EXPECT_FALSE(unsealed["ok"].get<bool>());
   EXPECT_NE(unsealed["error"].get<std::string>().find("sealed"), std::string::npos);
   Fd notAPiece = fsdp::snapshot::createMemfd("junk", 100);
-  fsdp::snapshot::sealPiece(notAPiece.get());
+  fsdp::snapshot::sealPiece(notAPiece.get(), /*writes=*/false);
   const auto junk = c.put(std::move(notAPiece));
   EXPECT_FALSE(junk["ok"].get<bool>());
   EXPECT_NE(junk["error"].get<std::string>().find("not a snapshot"), std::string::npos) << junk;

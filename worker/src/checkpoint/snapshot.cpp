@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstring>
 #include <fstream>
+#include <list>
 #include <set>
 #include <thread>
 
@@ -59,6 +60,21 @@ void setTimeouts(int fd, std::chrono::milliseconds timeout) {
 
 }  // namespace
 
+// A piece's memory in this process: mapped once, written again once its keeper let it go.
+struct Buffer {
+  Fd fd;
+  char* map = nullptr;
+  std::uint64_t bytes = 0;
+  std::int64_t step = -1;  // the snapshot it holds for the keeper; -1: free to write
+  Buffer() = default;
+  Buffer(Buffer&& o) noexcept
+      : fd(std::move(o.fd)), map(std::exchange(o.map, nullptr)), bytes(o.bytes), step(o.step) {}
+  Buffer& operator=(Buffer&&) = delete;
+  ~Buffer() {
+    if (map != nullptr) ::munmap(map, bytes);
+  }
+};
+
 struct Snapshotter::Impl {
   Runtime& runtime;
   SnapshotOptions options;
@@ -71,6 +87,7 @@ struct Snapshotter::Impl {
   std::atomic<bool> refused{false};
   bool peerFailed = false;
   std::string restoredFrom;
+  std::list<Buffer> buffers;  // used by the background thread only (and by wait()'s caller after)
 
   Impl(Runtime& rt, SnapshotOptions o) : runtime(rt), options(o) {}
 
@@ -80,6 +97,31 @@ struct Snapshotter::Impl {
     if (!answer) throw Error("this node's agent closed the snapshot socket");
     if (passed != nullptr) *passed = std::move(answer->second);
     return json::parse(answer->first);
+  }
+
+  // A free buffer of `bytes`, or a new one (mapped and faulted in once, its size sealed).
+  Buffer& bufferFor(std::uint64_t bytes, std::int64_t step) {
+    for (auto it = buffers.begin(); it != buffers.end();) {
+      if (it->step >= 0) {
+        ++it;
+      } else if (it->bytes == bytes) {
+        return *it;
+      } else {
+        it = buffers.erase(it);  // another layout: its size will not come back
+      }
+    }
+    auto& b = buffers.emplace_back();
+    b.fd = snapshot::createMemfd("fsdprun-snapshot-r" + std::to_string(runtime.rank()) + "-s" + std::to_string(step),
+                                 bytes);
+    snapshot::sealPiece(b.fd.get(), /*writes=*/false);
+    void* map = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, b.fd.get(), 0);
+    if (map == MAP_FAILED) {
+      buffers.pop_back();
+      throwErrno("mapping a snapshot of " + std::to_string(bytes) + " bytes", errno);
+    }
+    b.map = static_cast<char*>(map);
+    b.bytes = bytes;
+    return b;
   }
 
   // The background half of save(): write, seal, hand over, copy to the peer.
@@ -97,23 +139,26 @@ struct Snapshotter::Impl {
         json{{"rank", rank}, {"world", world}, {"step", step}, {"meta", std::move(meta)}, {"blocks", blocks}}.dump();
     const std::uint64_t dataOffset = snapshot::dataOffsetFor(header.size());
     const std::uint64_t total = dataOffset + offset;
-    Fd piece = snapshot::createMemfd("fsdprun-snapshot-r" + std::to_string(rank) + "-s" + std::to_string(step), total);
-    void* map = ::mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, piece.get(), 0);
-    if (map == MAP_FAILED) throwErrno("mapping a snapshot of " + std::to_string(total) + " bytes", errno);
-    auto* base = static_cast<char*>(map);
-    snapshot::writePiecePrefix(base, header);
+    Buffer& buffer = bufferFor(total, step);
+    buffer.step = step;
+    snapshot::writePiecePrefix(buffer.map, header);
     for (std::size_t i = 0; i < plan.blocks.size(); ++i) {
-      std::memcpy(base + dataOffset + plan.blocks[i].offset, plan.data[i].data_ptr(), plan.blocks[i].bytes);
+      std::memcpy(buffer.map + dataOffset + plan.blocks[i].offset, plan.data[i].data_ptr(), plan.blocks[i].bytes);
     }
-    ::munmap(map, total);
     plan.data.clear();  // the views of the live tensors go before the training thread goes on
-    snapshot::sealPiece(piece.get());
-    const json answer = ask({{"op", "put"}}, piece.get());
+    const int piece = buffer.fd.get();
+    const json answer = ask({{"op", "put"}}, piece);
     if (!answer.value("ok", false)) {
       refused = true;
+      buffers.clear();
       log::warn("rank {}: in-memory snapshots are off for this run: {}; disk checkpoints go on", rank,
                 answer.value("error", std::string("refused")));
       return;
+    }
+    // What the keeper no longer holds is this process's to overwrite.
+    const auto held = answer.value("held", std::vector<std::int64_t>{});
+    for (auto& b : buffers) {
+      if (b.step != step && std::find(held.begin(), held.end(), b.step) == held.end()) b.step = -1;
     }
     if (peerEndpoint.empty() || peerFailed) return;
     try {
@@ -130,7 +175,7 @@ struct Snapshotter::Impl {
       snapshot::writeAll(peer.get(), frame.data(), frame.size());
       off_t from = 0;
       while (static_cast<std::uint64_t>(from) < total) {
-        const ssize_t n = ::sendfile(peer.get(), piece.get(), &from, total - static_cast<std::uint64_t>(from));
+        const ssize_t n = ::sendfile(peer.get(), piece, &from, total - static_cast<std::uint64_t>(from));
         if (n < 0 && errno == EINTR) continue;
         if (n <= 0) throwErrno("sending a snapshot to " + peerEndpoint, errno);
       }

@@ -8,8 +8,11 @@
 //   bytes 16..23  little-endian u64: length of the header JSON that follows
 //   header JSON   {"rank", "world", "step", "meta" (the checkpoint metadata), "blocks"}
 //   data          the blocks, at their offsets relative to the data start
-// Sealed (no write, grow or shrink) before it leaves the worker: nobody can change a piece a
-// keeper holds, and it is released when the last descriptor closes (nothing in /dev/shm).
+// Sealed against growing and shrinking before it leaves the worker (a reader can never run off
+// its end); the worker writes into a piece's memory again only once its keeper says it no
+// longer holds it (no fresh pages to fault in every step). A keeper's own peer copies are
+// sealed against writes too. A piece is released when the last descriptor closes (nothing in
+// /dev/shm).
 //
 // Worker and keeper talk over an abstract Unix SOCK_SEQPACKET socket, one JSON message per
 // packet, with at most one descriptor attached (SCM_RIGHTS).
@@ -54,8 +57,10 @@ class Fd {
 
 // A new memfd of `bytes` (close-on-exec, sealable). Throws Error.
 Fd createMemfd(const std::string& name, std::uint64_t bytes);
-// Seals it against writes, growing and shrinking (no writable mapping may remain).
-void sealPiece(int fd);
+// Seals it against growing and shrinking, and against writes when `writes` (no writable mapping
+// may remain then).
+void sealPiece(int fd, bool writes);
+// Whether its size is sealed.
 bool isSealed(int fd);
 std::uint64_t fileBytes(int fd);
 

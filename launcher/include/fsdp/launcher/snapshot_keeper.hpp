@@ -11,7 +11,8 @@
 // keeper: its memfds are never named in /dev/shm.
 //
 // Messages (JSON, one per packet) on the Unix socket:
-//   {"op":"put"} + a sealed piece  -> {"ok":true} | {"ok":false,"error":"..."}
+//   {"op":"put"} + a sealed piece  -> {"ok":true,"held":[steps of that rank still held]}
+//                                     | {"ok":false,"error":"..."}
 //   {"op":"list"}                  -> {"ok":true,"pieces":[{"rank","world","step","bytes","peer"}]}
 //   {"op":"get","rank","world","step"} -> {"ok":true,"peer":bool} + the piece | {"ok":false,...}
 // On TCP: u32 length, header {"run","rank","world","step","bytes","mac"}, then the piece's

@@ -1,0 +1,377 @@
+// recovery: what a failure costs a training job. A worker (or a whole agent, its worker with
+// it) is SIGKILLed by pid at a random moment of a random step; rank 0's metrics file (a line
+// per step with its unix time, and a resume line once the state is restored) gives the steps
+// redone and the seconds from the kill to the state restored, to the first step completed
+// after it, and to the first step beyond what had been done before the kill. fsdprun resumes
+// from its in-memory snapshots (this node's, or the peer copy of a lost node's); the peer,
+// torchrun + DDP on Gloo (bench/peer/recovery_torch.py), from the newest torch.save
+// checkpoint. Also the per-step cost of the snapshots: the same job without a kill,
+// --snapshot_every 1 vs 0, in the same invocation.
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <random>
+#include <set>
+#include <sstream>
+
+#include "bench.hpp"
+#include "fsdp/common/error.hpp"
+#include "fsdp/common/process.hpp"
+#include "recovery_job.hpp"
+
+namespace fsdp::bench {
+namespace {
+
+namespace fs = std::filesystem;
+using namespace recovery_job;
+
+constexpr int kMaxRestarts = 3;
+constexpr int kWarmupSteps = 3;  // left out of the step-time medians, and never a kill step
+
+// ---- figures -----------------------------------------------------------------------------
+
+double median(std::vector<double> v) { return v.empty() ? -1 : percentile(v, 0.5); }
+
+// Median step time of the train lines, each attempt's first kWarmupSteps left out (those
+// before the first line and those after each resume line).
+double stepMs(const std::vector<nlohmann::json>& lines) {
+  std::vector<double> ms;
+  int sinceStart = 0;
+  for (const auto& l : lines) {
+    const auto type = l.value("type", "");
+    if (type == "resume") sinceStart = 0;
+    if (type == "train" && ++sinceStart > kWarmupSteps) ms.push_back(l.value("step_time_ms", 0.0));
+  }
+  return median(ms);
+}
+
+// Fills the figures of a kill from the metrics lines.
+void killFigures(const Observed& seen, nlohmann::json& line) {
+  const double killTime = *seen.killUnixTime;
+  long long before = 0;  // the last step completed before the kill
+  std::optional<std::size_t> resume;
+  for (std::size_t i = 0; i < seen.lines.size(); ++i) {
+    const auto& l = seen.lines[i];
+    const double t = l.value("unix_time", 0.0);
+    if (l.value("type", "") == "train" && t <= killTime) {
+      before = std::max(before, l.value("step", 0LL));
+    }
+    if (!resume && l.value("type", "") == "resume" && t > killTime) resume = i;
+  }
+  line["kill_step"] = before;
+  line["step_ms"] = stepMs(seen.lines);
+  if (!resume) {
+    line["error"] = "no resume line after the kill in the metrics file";
+    return;
+  }
+  const auto& r = seen.lines[*resume];
+  const long long resumed = r.value("step", 0LL);
+  line["resumed_step"] = resumed;
+  line["steps_redone"] = before - resumed;
+  line["source"] = r.value("source", "");
+  line["restore_ms"] = r.value("restore_ms", 0.0);
+  line["kill_to_restored_s"] = r.value("unix_time", 0.0) - killTime;
+  for (std::size_t i = *resume + 1; i < seen.lines.size(); ++i) {
+    const auto& l = seen.lines[i];
+    if (l.value("type", "") != "train") continue;
+    if (!line.contains("kill_to_first_step_s")) {
+      line["kill_to_first_step_s"] = l.value("unix_time", 0.0) - killTime;
+    }
+    // Back where the job was: the first step beyond the last one completed before the kill.
+    if (l.value("step", 0LL) > before) {
+      line["kill_to_caught_up_s"] = l.value("unix_time", 0.0) - killTime;
+      break;
+    }
+  }
+}
+
+// ---- the two systems -----------------------------------------------------------------------
+
+struct Config {
+  long long steps = 24;
+  long long batch = 32;  // deep's global batch (the gpt config is fixed, below)
+  std::string torchrun;  // path of torchrun_fixed
+  bool peer = true;
+};
+
+std::vector<std::string> environmentWith(const std::string& runId) {
+  std::vector<std::string> env;
+  for (const auto& e : currentEnvironment()) {
+    if (!e.starts_with("OMP_NUM_THREADS=")) env.push_back(e);
+  }
+  env.push_back("OMP_NUM_THREADS=1");  // 2 ranks on 2 cores, on both sides
+  env.push_back("FSDP_BENCH_RECOVERY_RUN=" + runId);
+  return env;
+}
+
+// The training program of `model` under fsdprun: a train line per step in `metrics`.
+std::vector<std::string> trainer(const std::string& model, const Config& c,
+                                 const std::string& metrics, int snapshotEvery) {
+  const std::string bin = binDir();
+  std::vector<std::string> argv;
+  if (model == "deep") {
+    argv = {bin + "/mnist", "--model", "deep", "--no_dropout", "--no_eval", "--progress", "none"};
+    argv.insert(argv.end(), {"--batch_size", std::to_string(c.batch)});
+  } else {
+    // minGPT-style, small enough for a step well under a second on 2 cores.
+    argv = {bin + "/gpt", "--n_layer", "4", "--n_head", "4", "--n_embd", "128"};
+    argv.insert(argv.end(), {"--block_size", "64", "--batch_size", "16", "--eval_every", "0"});
+    argv.insert(argv.end(), {"--eval_batches", "1", "--sample_chars", "0"});
+  }
+  argv.insert(argv.end(),
+              {"--max_steps", std::to_string(c.steps), "--log_every", "1", "--metrics_file",
+               metrics, "--snapshot_every", std::to_string(snapshotEvery)});
+  return argv;
+}
+
+// Unique per job: the workers to kill and the leftovers to clean are found by it.
+std::string newRunId() {
+  const auto ns = std::chrono::steady_clock::now().time_since_epoch().count();
+  return "recovery-" + std::to_string(::getpid()) + "-" + std::to_string(ns);
+}
+
+struct Layout {
+  std::string name;  // "2x1": one agent of 2 workers; "1x2 agents": 2 agents of 1
+  int agents;
+};
+
+// fsdprun, one job: the metrics lines and when the kill was.
+Observed runOurs(const std::string& model, const Config& c, const Layout& layout, Kill kill,
+                 int snapshotEvery, KillAt at) {
+  RunDir dir;
+  Launch launch{.runId = newRunId(), .metricsFile = dir.path() + "/metrics.jsonl"};
+  launch.env = environmentWith(launch.runId);
+  const auto worker = trainer(model, c, launch.metricsFile, snapshotEvery);
+  const std::string fsdprun = binDir() + "/fsdprun";
+  const auto limit = std::chrono::seconds(120 + 4 * c.steps);
+  const std::vector<std::string> common = {"--max_restarts", std::to_string(kMaxRestarts),
+                                           "--rdzv_id", launch.runId};
+  if (layout.agents == 1) {
+    std::vector<std::string> argv = {fsdprun, "--standalone", "--nproc_per_node", "2"};
+    argv.insert(argv.end(), common.begin(), common.end());
+    argv.insert(argv.end(), worker.begin(), worker.end());
+    launch.agents.push_back(argv);
+    return runJob(launch, dir, kill, at, limit);
+  }
+  RdzvServer server(dir.path() + "/rdzv.err");
+  const std::string endpoint = "127.0.0.1:" + std::to_string(server.port());
+  for (int a = 0; a < layout.agents; ++a) {
+    // An agent kill leaves one node: the job goes on elastic, --nnodes 1:2.
+    std::vector<std::string> argv = {fsdprun, "--nnodes", kill == Kill::kAgent ? "1:2" : "2",
+                                     "--nproc_per_node", "1"};
+    argv.insert(argv.end(), {"--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--rdzv_conf",
+                             "is_host=false"});
+    argv.insert(argv.end(), {"--local_addr", "127.0.0." + std::to_string(a + 2)});
+    argv.insert(argv.end(), common.begin(), common.end());
+    argv.insert(argv.end(), worker.begin(), worker.end());
+    launch.agents.push_back(argv);
+  }
+  return runJob(launch, dir, kill, at, limit);
+}
+
+// torchrun (1 node, 2 workers, --max_restarts 3) running recovery_torch.py.
+Observed runPeer(const Config& c, int checkpointEvery, KillAt at) {
+  RunDir dir;
+  Launch launch{.runId = newRunId(), .metricsFile = dir.path() + "/metrics.jsonl"};
+  launch.env = environmentWith(launch.runId);
+  fs::create_directories(dir.path() + "/ckpt");
+  // The c10d backend on a free port rather than --standalone, which replaces --rdzv_id.
+  std::vector<std::string> argv = {"/usr/bin/python3", c.torchrun, "--monitor_interval", "0.1",
+                                   "--nnodes",         "1",        "--nproc_per_node",   "2"};
+  argv.insert(argv.end(), {"--max_restarts", std::to_string(kMaxRestarts), "--rdzv_backend", "c10d",
+                           "--rdzv_endpoint", "127.0.0.1:" + std::to_string(freePort()),
+                           "--rdzv_id", launch.runId});
+  argv.insert(argv.end(),
+              {std::string(FSDP_SOURCE_DIR) + "/bench/peer/recovery_torch.py", "--model", "deep",
+               "--steps", std::to_string(c.steps), "--batch_size", std::to_string(c.batch)});
+  argv.insert(argv.end(),
+              {"--checkpoint_every", std::to_string(checkpointEvery), "--checkpoint_dir",
+               dir.path() + "/ckpt", "--metrics_file", launch.metricsFile});
+  launch.agents.push_back(argv);
+  return runJob(launch, dir, Kill::kWorker, at, std::chrono::seconds(180 + 6 * c.steps));
+}
+
+// One job, its failure to start (a binary being rebuilt, no free port) reported like any other.
+template <typename Fn>
+Observed attempt(Fn&& run) {
+  try {
+    return run();
+  } catch (const Error& e) {
+    return Observed{.error = e.what()};
+  }
+}
+
+std::vector<std::string> splitList(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream list(text);
+  for (std::string item; std::getline(list, item, ',');) {
+    if (!item.empty()) out.push_back(item);
+  }
+  return out;
+}
+
+}  // namespace
+
+void recovery(const Args& args) {
+  Config c;
+  c.steps = args.ints("steps", "24").front();
+  c.batch = args.ints("batch_size", "32").front();
+  if (c.steps < 15)
+    throw ConfigError("--steps '" + std::to_string(c.steps) + "': expected 15 or more");
+  const int reps = static_cast<int>(args.ints("reps", "1").front());
+  const auto seedText = args.str("seed", "");
+  const std::uint64_t seed = seedText.empty()
+                                 ? std::random_device{}()
+                                 : static_cast<std::uint64_t>(args.ints("seed", "1").front());
+  const auto models = splitList(args.str("models", "deep,gpt"));
+  for (const auto& m : models) {
+    if (m != "deep" && m != "gpt")
+      throw ConfigError("--models '" + args.str("models", "") + "': expected deep and/or gpt");
+  }
+  const auto cases = splitList(args.str("cases", "worker,agents_worker,agent,overhead"));
+  const std::set<std::string> known = {"worker", "agents_worker", "agent", "overhead"};
+  for (const auto& k : cases) {
+    if (!known.contains(k)) {
+      throw ConfigError("--cases '" + args.str("cases", "") +
+                        "': expected worker, agents_worker, agent and/or overhead");
+    }
+  }
+  const auto torchrunFlag = args.str("torchrun", "1");
+  if (torchrunFlag != "0" && torchrunFlag != "1")
+    throw ConfigError("--torchrun '" + torchrunFlag + "': expected 0 or 1");
+  const auto checkpointEvery = args.ints("checkpoint_every", "10,50");
+  c.torchrun = std::string(FSDP_SOURCE_DIR) + "/../shared/peer-torchrun/torchrun_fixed";
+  c.peer = torchrunFlag == "1";
+
+  std::mt19937_64 rng(seed);
+  // The kill step: one per model and rep, the same for every case and both systems, drawn past
+  // the warm-up and early enough to leave steps to come back to. The moment within the next
+  // step: drawn per run.
+  const auto drawStep = [&] {
+    const long long lo = std::max<long long>(kWarmupSteps + 2, c.steps / 5);
+    const long long hi = std::max(lo, c.steps - std::max<long long>(6, c.steps / 4));
+    return std::uniform_int_distribution<long long>(lo, hi)(rng);
+  };
+  const auto drawFraction = [&] { return std::uniform_real_distribution<double>(0, 0.9)(rng); };
+  const auto has = [&](const std::string& k) {
+    return std::find(cases.begin(), cases.end(), k) != cases.end();
+  };
+  const nlohmann::json base = {{"bench", "recovery"}, {"seed", seed}, {"steps", c.steps}};
+
+  for (int rep = 0; rep < reps; ++rep) {
+    for (const auto& model : models) {
+      const long long target = drawStep();
+      const auto report = [&](nlohmann::json line, const Observed& seen, const KillAt& at) {
+        line["kill_target_step"] = at.afterStep;
+        line["kill_at_fraction_of_step"] = at.fractionOfStep;
+        if (seen.killUnixTime) killFigures(seen, line);
+        if (!seen.workerDiedWithAgent) line["worker_outlived_agent"] = true;
+        line["finished"] = seen.finished;
+        line["loadavg_1m_before"] = seen.loadBefore;
+        if (!seen.error.empty()) line["error"] = seen.error;
+        emit(line);
+        return line;
+      };
+      nlohmann::json modelBase = base;
+      modelBase["model"] = model;
+      modelBase["rep"] = rep;
+      if (model == "deep") modelBase["batch_size"] = c.batch;
+      std::optional<nlohmann::json> oursWorker;
+      const struct {
+        const char* name;
+        Layout layout;
+        Kill kill;
+      } kills[] = {{"worker", {"2x1", 1}, Kill::kWorker},
+                   {"agents_worker", {"1x2 agents", 2}, Kill::kWorker},
+                   {"agent", {"1x2 agents", 2}, Kill::kAgent}};
+      for (const auto& k : kills) {
+        if (!has(k.name)) continue;
+        const KillAt at{target, drawFraction()};
+        nlohmann::json line = modelBase;
+        line.update({{"system", "fsdprun"},
+                     {"layout", k.layout.name},
+                     {"agents", k.layout.agents},
+                     {"workers_per_agent", 2 / k.layout.agents},
+                     {"kill", k.kill == Kill::kAgent ? "agent" : "worker"},
+                     {"snapshot_every", 1}});
+        const auto seen = attempt([&] { return runOurs(model, c, k.layout, k.kill, 1, at); });
+        line = report(line, seen, at);
+        if (std::string(k.name) == "worker") oursWorker = line;
+      }
+      if (has("overhead")) {
+        // No kill: half the steps are enough for a median. Off and on alternate by rep, so that
+        // neither always runs on a warmer machine.
+        Config shorter = c;
+        shorter.steps = std::max<long long>(kWarmupSteps + 12, c.steps / 2);
+        std::map<int, double> ms;
+        double load = 0;
+        for (const int every : rep % 2 == 0 ? std::vector<int>{0, 1} : std::vector<int>{1, 0}) {
+          const auto seen = attempt([&] {
+            return runOurs(model, shorter, {"2x1", 1}, Kill::kNone, every, {});
+          });
+          load = std::max(load, seen.loadBefore);
+          if (!seen.finished) {
+            nlohmann::json line = modelBase;
+            line.update({{"what", "snapshot_overhead"},
+                         {"system", "fsdprun"},
+                         {"steps", shorter.steps},
+                         {"snapshot_every", every},
+                         {"error", seen.error}});
+            emit(line);
+            continue;
+          }
+          ms[every] = stepMs(seen.lines);
+        }
+        if (ms.size() == 2) {
+          nlohmann::json line = modelBase;
+          line.update({{"what", "snapshot_overhead"},
+                       {"system", "fsdprun"},
+                       {"layout", "2x1"},
+                       {"steps", shorter.steps},
+                       {"step_ms_off", ms[0]},
+                       {"step_ms_on", ms[1]},
+                       {"ratio_on_to_off", ms[1] / ms[0]},
+                       {"overhead_pct", 100.0 * (ms[1] / ms[0] - 1.0)},
+                       {"loadavg_1m_before", load}});
+          emit(line);
+        }
+      }
+      // The peer: DeepNet only (recovery_torch.py has no GPT), worker kills.
+      if (model != "deep" || !c.peer || !has("worker")) continue;
+      if (::access("/usr/bin/python3", X_OK) != 0 || ::access(c.torchrun.c_str(), R_OK) != 0) {
+        nlohmann::json line = modelBase;
+        line.update(
+            {{"system", "torchrun"}, {"unavailable", "needs python3-torch and " + c.torchrun}});
+        emit(line);
+        continue;
+      }
+      for (const long long k : checkpointEvery) {
+        const KillAt at{target, drawFraction()};
+        nlohmann::json line = modelBase;
+        line.update({{"system", "torchrun"},
+                     {"layout", "2x1"},
+                     {"agents", 1},
+                     {"workers_per_agent", 2},
+                     {"kill", "worker"},
+                     {"checkpoint_every", k}});
+        const auto seen = attempt([&] { return runPeer(c, static_cast<int>(k), at); });
+        line = report(line, seen, at);
+        if (oursWorker && oursWorker->contains("kill_to_caught_up_s") &&
+            line.contains("kill_to_caught_up_s")) {
+          nlohmann::json compare = modelBase;
+          compare.update({{"compare", "kill_to_caught_up_s, torchrun / fsdprun (2x1, worker kill)"},
+                          {"checkpoint_every", k},
+                          {"ratio", line["kill_to_caught_up_s"].get<double>() /
+                                        (*oursWorker)["kill_to_caught_up_s"].get<double>()}});
+          emit(compare);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace fsdp::bench

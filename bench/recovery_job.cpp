@@ -1,0 +1,334 @@
+// One job of `fsdp-bench recovery` (see recovery_job.hpp): the processes of a run are found
+// through /proc, by the environment the launchers give their workers.
+#include "recovery_job.hpp"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/inotify.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "bench.hpp"
+#include "fsdp/common/error.hpp"
+
+namespace fsdp::bench::recovery_job {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+using namespace std::chrono_literals;
+
+double unixNow() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+std::string binDir() {
+  const std::string exe = selfExe();
+  return exe.substr(0, exe.rfind('/'));
+}
+
+RunDir::RunDir() {
+  char pattern[] = "/tmp/fsdp-bench-recovery-XXXXXX";
+  if (::mkdtemp(pattern) == nullptr) throwErrno("mkdtemp", errno);
+  path_ = pattern;
+}
+
+RunDir::~RunDir() {
+  std::error_code ec;
+  fs::remove_all(path_, ec);
+}
+
+RdzvServer::RdzvServer(const std::string& logPath) {
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC) != 0) throwErrno("pipe2", errno);
+  SpawnOptions options{.argv = {binDir() + "/fsdprun-rdzv", "--port", "0"},
+                       .env = currentEnvironment()};
+  options.stdoutFd = fds[1];
+  options.stderrPath = logPath;
+  try {
+    process_.emplace(ChildProcess::spawn(options));
+  } catch (...) {
+    ::close(fds[0]);
+    ::close(fds[1]);
+    throw;
+  }
+  ::close(fds[1]);
+  std::string line;  // "fsdprun-rdzv: listening on HOST:PORT (...)"
+  const auto deadline = Clock::now() + 10s;
+  while (line.find('\n') == std::string::npos) {
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    pollfd pfd{fds[0], POLLIN, 0};
+    if (left.count() <= 0 || ::poll(&pfd, 1, static_cast<int>(left.count())) <= 0) break;
+    char buf[256];
+    const ssize_t n = ::read(fds[0], buf, sizeof(buf));
+    if (n <= 0) break;
+    line.append(buf, static_cast<std::size_t>(n));
+  }
+  ::close(fds[0]);
+  const auto colon = line.rfind(':', line.find(" ("));
+  if (line.find("listening on") == std::string::npos || colon == std::string::npos) {
+    throw Error("recovery: fsdprun-rdzv did not report its port within 10 s; it printed '" + line +
+                "'");
+  }
+  port_ = std::stoi(line.substr(colon + 1));
+}
+
+RdzvServer::~RdzvServer() {
+  process_->signal(SIGTERM);
+  if (!process_->waitFor(10s)) process_->signal(SIGKILL);
+}
+
+namespace {
+
+std::string tail(const std::string& path, std::size_t bytes) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  const std::string all = text.str();
+  return all.substr(all.size() > bytes ? all.size() - bytes : 0);
+}
+
+// ---- processes of one run, found through /proc ---------------------------------------------
+
+std::vector<std::string> environOf(int pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/environ", std::ios::binary);
+  std::vector<std::string> out;
+  for (std::string entry; std::getline(in, entry, '\0');) out.push_back(entry);
+  return out;
+}
+
+int parentOf(int pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string content;
+  std::getline(stat, content);
+  const auto close = content.rfind(')');
+  if (close == std::string::npos) return 0;
+  std::istringstream fields(content.substr(close + 2));
+  std::string state;
+  int ppid = 0;
+  fields >> state >> ppid;
+  return ppid;
+}
+
+std::vector<int> allPids() {
+  std::vector<int> pids;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator("/proc", ec)) {
+    const std::string name = entry.path().filename();
+    if (!name.empty() && name.find_first_not_of("0123456789") == std::string::npos) {
+      pids.push_back(std::stoi(name));
+    }
+  }
+  return pids;
+}
+
+bool hasEntries(const std::vector<std::string>& env, const std::vector<std::string>& wanted) {
+  return std::all_of(wanted.begin(), wanted.end(), [&](const std::string& w) {
+    return std::find(env.begin(), env.end(), w) != env.end();
+  });
+}
+
+// The process carrying every one of `entries` in its environment that descends from one of
+// `roots` (the launchers this bench started), and the root it descends from.
+std::optional<std::pair<int, int>> findProcess(const std::vector<std::string>& entries,
+                                               const std::set<int>& roots) {
+  for (const int pid : allPids()) {
+    if (roots.contains(pid) || !hasEntries(environOf(pid), entries)) continue;
+    for (int p = parentOf(pid), hops = 0; p > 1 && hops < 16; p = parentOf(p), ++hops) {
+      if (roots.contains(p)) return std::make_pair(pid, p);
+    }
+  }
+  return std::nullopt;
+}
+
+// The 1-minute load average: how busy the machine was with other work when a figure was taken.
+double loadAverage() {
+  std::ifstream in("/proc/loadavg");
+  double load = -1;
+  in >> load;
+  return load;
+}
+
+// Waits at most `timeout` for `pid`, not a child of ours, to exit (pidfd + poll). True when it
+// has (or was gone already).
+bool exitsWithin(int pid, std::chrono::milliseconds timeout) {
+  const int fd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+  if (fd < 0) return errno == ESRCH;
+  pollfd pfd{fd, POLLIN, 0};
+  const bool exited = ::poll(&pfd, 1, static_cast<int>(timeout.count())) > 0;
+  ::close(fd);
+  return exited;
+}
+
+// Rank 0's metrics file, read as it grows: whole JSON lines only. Wakes on inotify events of
+// its directory, so that a step is seen when it is written, not at the next poll.
+class MetricsTail {
+ public:
+  explicit MetricsTail(std::string path) : path_(std::move(path)) {
+    fd_ = ::inotify_init1(IN_CLOEXEC | IN_NONBLOCK);
+    if (fd_ < 0) throwErrno("inotify_init1", errno);
+    const auto dir = fs::path(path_).parent_path().string();
+    if (::inotify_add_watch(fd_, dir.c_str(), IN_MODIFY | IN_CREATE) < 0) {
+      const int err = errno;
+      ::close(fd_);
+      throwErrno("inotify_add_watch " + dir, err);
+    }
+  }
+  ~MetricsTail() { ::close(fd_); }
+  MetricsTail(const MetricsTail&) = delete;
+  MetricsTail& operator=(const MetricsTail&) = delete;
+
+  // Waits at most `timeout` for a change in the directory, then reads what is new.
+  void wait(std::chrono::milliseconds timeout) {
+    pollfd pfd{fd_, POLLIN, 0};
+    if (::poll(&pfd, 1, static_cast<int>(timeout.count())) > 0) {
+      char events[4096];
+      while (::read(fd_, events, sizeof(events)) > 0) {
+      }
+    }
+    read();
+  }
+  void read() {
+    std::ifstream in(path_, std::ios::binary);
+    if (!in) return;
+    in.seekg(static_cast<std::streamoff>(offset_));
+    std::string chunk((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    partial_ += chunk;
+    offset_ += chunk.size();
+    for (auto nl = partial_.find('\n'); nl != std::string::npos; nl = partial_.find('\n')) {
+      const std::string line = partial_.substr(0, nl);
+      partial_.erase(0, nl + 1);
+      if (line.empty() || line.front() != '{') continue;
+      try {
+        lines_.push_back(nlohmann::json::parse(line));
+      } catch (const nlohmann::json::exception&) {
+        // not one of the trainer's lines; nothing to measure in it
+      }
+    }
+  }
+  const std::vector<nlohmann::json>& lines() const { return lines_; }
+  long long lastTrainStep() const {
+    const auto* last = lastTrain();
+    return last == nullptr ? 0 : last->value("step", 0LL);
+  }
+  // The median step time so far: a step that also wrote a checkpoint does not count double.
+  double medianStepMs() const {
+    std::vector<double> ms;
+    for (const auto& l : lines_) {
+      if (l.value("type", "") == "train") ms.push_back(l.value("step_time_ms", 0.0));
+    }
+    return ms.empty() ? 0 : percentile(ms, 0.5);
+  }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  std::size_t offset_ = 0;
+  std::string partial_;
+  std::vector<nlohmann::json> lines_;
+
+  const nlohmann::json* lastTrain() const {
+    for (auto it = lines_.rbegin(); it != lines_.rend(); ++it) {
+      if (it->value("type", "") == "train") return &*it;
+    }
+    return nullptr;
+  }
+};
+
+}  // namespace
+
+Observed runJob(const Launch& launch, const RunDir& dir, Kill kill, KillAt at,
+                std::chrono::seconds limit) {
+  Observed seen;
+  seen.loadBefore = loadAverage();
+  MetricsTail metrics(launch.metricsFile);
+  std::vector<ChildProcess> launchers;
+  std::set<int> roots;
+  for (std::size_t i = 0; i < launch.agents.size(); ++i) {
+    SpawnOptions options{.argv = launch.agents[i], .env = launch.env};
+    options.stdoutPath = dir.path() + "/launcher" + std::to_string(i) + ".out";
+    options.stderrPath = dir.path() + "/launcher" + std::to_string(i) + ".err";
+    launchers.push_back(ChildProcess::spawn(options));
+    roots.insert(launchers.back().pid());
+  }
+  const auto deadline = Clock::now() + limit;
+  std::optional<std::size_t> killedAgent;  // index in launchers
+  bool killed = kill == Kill::kNone;
+  const auto running = [&] {
+    return std::any_of(launchers.begin(), launchers.end(),
+                       [](ChildProcess& c) { return !c.reaped() && !c.tryWait(); });
+  };
+  while (running() && Clock::now() < deadline) {
+    metrics.wait(200ms);
+    if (killed || metrics.lastTrainStep() < at.afterStep) continue;
+    std::this_thread::sleep_for(
+        std::chrono::duration<double, std::milli>(at.fractionOfStep * metrics.medianStepMs()));
+    const auto target = findProcess({"TORCHELASTIC_RUN_ID=" + launch.runId, "RANK=1"}, roots);
+    if (!target) {
+      seen.error = "no process with RANK=1 of run " + launch.runId +
+                   " under the launchers at step " + std::to_string(metrics.lastTrainStep());
+      break;
+    }
+    const auto [worker, agent] = *target;
+    seen.killUnixTime = unixNow();
+    if (kill == Kill::kWorker) {
+      ::kill(worker, SIGKILL);
+    } else {
+      ::kill(agent, SIGKILL);
+      for (std::size_t i = 0; i < launchers.size(); ++i) {
+        if (launchers[i].pid() == agent) killedAgent = i;
+      }
+      // A lost node loses its worker too: the agent's death signal (PR_SET_PDEATHSIG) ends it.
+      if (!exitsWithin(worker, 3s)) {
+        seen.workerDiedWithAgent = false;
+        ::kill(worker, SIGKILL);
+      }
+    }
+    killed = true;
+  }
+  metrics.read();
+  seen.lines = metrics.lines();
+  if (running()) {
+    if (seen.error.empty()) {
+      seen.error = "the job did not end within " + std::to_string(limit.count()) +
+                   " s (last step " + std::to_string(metrics.lastTrainStep()) +
+                   "); launcher 0's log ends: " + tail(dir.path() + "/launcher0.err", 400);
+    }
+  } else if (seen.error.empty()) {
+    seen.finished = true;
+    for (std::size_t i = 0; i < launchers.size(); ++i) {
+      if (killedAgent && *killedAgent == i) continue;
+      const int status = *launchers[i].status();
+      if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+        seen.finished = false;
+        seen.error = "launcher " + std::to_string(i) + " ended with " + describeWaitStatus(status) +
+                     ": " + tail(dir.path() + "/launcher" + std::to_string(i) + ".err", 400);
+      }
+    }
+  }
+  // What the launchers left (a torchrun worker outlives its SIGKILLed launcher): every process
+  // with this run's tag in its environment, which only processes this bench started carry.
+  for (auto& l : launchers) {
+    if (!l.reaped()) l.signal(SIGKILL);
+  }
+  for (int round = 0; round < 2; ++round) {
+    for (const int pid : allPids()) {
+      if (hasEntries(environOf(pid), {"FSDP_BENCH_RECOVERY_RUN=" + launch.runId})) {
+        ::kill(pid, SIGKILL);
+      }
+    }
+  }
+  return seen;
+}
+
+}  // namespace fsdp::bench::recovery_job
