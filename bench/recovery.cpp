@@ -74,6 +74,8 @@ void killFigures(const Observed& seen, nlohmann::json& line) {
   line["steps_redone"] = before - resumed;
   line["source"] = r.value("source", "");
   line["restore_ms"] = r.value("restore_ms", 0.0);
+  // Of kill -> restored, the part inside the new worker process (its start-up and the restore).
+  if (r.contains("process_age_s")) line["restored_at_process_age_s"] = r["process_age_s"];
   line["kill_to_restored_s"] = r.value("unix_time", 0.0) - killTime;
   for (std::size_t i = *resume + 1; i < seen.lines.size(); ++i) {
     const auto& l = seen.lines[i];

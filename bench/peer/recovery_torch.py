@@ -26,6 +26,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fashion_mnist import load, net  # noqa: E402
 
 
+def process_age():
+    """Seconds since this process started (/proc/self/stat field 22 against /proc/uptime)."""
+    with open("/proc/self/stat") as f:
+        stat = f.read()
+    ticks = int(stat[stat.rfind(")") + 2:].split()[19])
+    with open("/proc/uptime") as f:
+        uptime = float(f.read().split()[0])
+    return uptime - ticks / os.sysconf("SC_CLK_TCK")
+
+
 def newest_checkpoint(directory):
     """(step, path) of the newest complete checkpoint, or (0, None)."""
     best = (0, None)
@@ -72,7 +82,8 @@ def main():
 
     if rank == 0 and restart > 0:
         write({"type": "resume", "step": start, "source": "disk" if path else "none",
-               "restore_ms": 1000.0 * (time.time() - restore_start), "unix_time": time.time()})
+               "restore_ms": 1000.0 * (time.time() - restore_start), "process_age_s": process_age(),
+               "unix_time": time.time()})
     g = torch.Generator().manual_seed(args.seed + 1)
     perm = torch.randperm(x.shape[0], generator=g)
     local = args.batch_size // world

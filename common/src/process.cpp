@@ -18,6 +18,10 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <iterator>
+#include <sstream>
+#include <string>
 
 #include "fsdp/common/error.hpp"
 
@@ -266,6 +270,24 @@ double peakRssMb() {
   rusage usage{};
   ::getrusage(RUSAGE_SELF, &usage);
   return static_cast<double>(usage.ru_maxrss) / 1024.0;
+}
+
+double processAgeSeconds() {
+  std::ifstream stat("/proc/self/stat");
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  const auto close = text.rfind(')');
+  std::ifstream uptimeFile("/proc/uptime");
+  double uptime = -1;
+  uptimeFile >> uptime;
+  if (close == std::string::npos || uptime < 0) return -1;
+  std::istringstream fields(text.substr(close + 2));
+  std::string field;
+  // Fields after the command: state is field 3; starttime is field 22 (clock ticks since boot).
+  for (int i = 3; i < 22 && fields >> field; ++i) {
+  }
+  unsigned long long ticks = 0;
+  if (!(fields >> ticks)) return -1;
+  return uptime - static_cast<double>(ticks) / static_cast<double>(::sysconf(_SC_CLK_TCK));
 }
 
 void raiseDescriptorLimit() {

@@ -292,8 +292,10 @@ FitResult Trainer::fit(const Dataset& train, const Dataset* eval) {
     if (!d.metrics) throw ConfigError("--metrics_file '" + o.metricsFile + "': cannot write it");
   }
   if (resumed) {
+    // process_age_s: how long after this process started the state was back (a restart's
+    // cost is the launcher's part before that, this program's start-up, and the restore).
     d.writeMetrics({{"type", "resume"}, {"step", step}, {"source", result.resumedSource}, {"restore_ms", restoreMs},
-                    {"unix_time", unixTime()}});
+                    {"process_age_s", processAgeSeconds()}, {"unix_time", unixTime()}});
   }
 
   std::optional<std::int64_t> lastSaved = result.resumedFrom;

@@ -4,6 +4,8 @@
 #include "fsdp/worker/snapshot.hpp"
 
 #include <arpa/inet.h>
+#include <pthread.h>
+#include <sched.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/mman.h>
@@ -266,6 +268,10 @@ void Snapshotter::save(FullyShardedDataParallel& model, torch::optim::Optimizer*
     addBlock(state.plan, b, item.value().detach(), /*copy=*/true);
   }
   d.worker = std::thread([&d, plan = std::move(state.plan), meta = std::move(state.meta), step = progress.step]() mutable {
+    // The copy takes the CPU only when the training would leave it idle (waiting on a peer);
+    // wait() before the next optimizer step makes it finish regardless.
+    sched_param idle{};
+    ::pthread_setschedparam(::pthread_self(), SCHED_IDLE, &idle);
     try {
       d.write(std::move(plan), std::move(meta), step);
     } catch (const std::exception& e) {

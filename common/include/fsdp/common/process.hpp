@@ -71,6 +71,9 @@ std::vector<std::string> currentEnvironment();
 // This process's peak resident set so far, in MiB (getrusage's ru_maxrss).
 double peakRssMb();
 
+// Seconds since this process started (from /proc/self/stat and /proc/uptime); -1 if unknown.
+double processAgeSeconds();
+
 // Raises this process's soft RLIMIT_NOFILE to its hard one (the soft one is often 1,024, too
 // few for a server of thousands of connections). Children inherit it.
 void raiseDescriptorLimit();
