@@ -126,6 +126,27 @@ TEST_F(Snapshots, AWorkerKilledAtARandomStepRedoesAtMostOneStepAndEndsBitIdentic
   expectNothingLeft(tag, runId);
 }
 
+// NO_SHARD: every rank holds every element, only rank 0 is their primary replica on disk; each
+// rank's snapshot still restores it.
+TEST_F(Snapshots, UnderNoShardAKilledWorkerResumesFromMemoryBitIdentical) {
+  TempDir dir;
+  const std::string runId = uniqueRunId("noshard");
+  const std::string tag = "FSDP_SNAPSHOT_TAG=" + runId;
+  auto plain = mnist({"--sharding", "NO_SHARD"});
+  plain.insert(plain.begin(), {kBin + "/fsdprun", "--nproc_per_node", "2"});
+  const auto reference = runCommand(plain, 300s);
+  ASSERT_EQ(reference.exitCode, 0) << reference.err;
+  auto argv = mnist({"--sharding", "NO_SHARD", "--fault_kill_at_step", "17", "--fault_kill_rank", "0"});
+  argv.insert(argv.begin(), {kBin + "/fsdprun", "--nproc_per_node", "2", "--max_restarts", "1", "--rdzv_id", runId});
+  const auto r = runCommand(argv, 300s, {tag, "TMPDIR=" + dir.path()});
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  const auto summary = summaryOf(r.out);
+  EXPECT_EQ(summary.value("resumed_source", ""), "memory") << r.out << r.err;
+  EXPECT_GE(summary.value("resumed_from_step", -1), 16) << r.out;
+  EXPECT_EQ(summary.value("params_sha256", ""), summaryOf(reference.out).value("params_sha256", "?"));
+  expectNothingLeft(tag, runId);
+}
+
 TEST_F(Snapshots, OverTheMemoryLimitSnapshotsAreSkippedWithAWarningAndDiskIsUsed) {
   TempDir dir;
   const std::string runId = uniqueRunId("limit");

@@ -298,7 +298,9 @@ FitResult Trainer::fit(const Dataset& train, const Dataset* eval) {
                     {"process_age_s", processAgeSeconds()}, {"unix_time", unixTime()}});
   }
 
-  std::optional<std::int64_t> lastSaved = result.resumedFrom;
+  // A step resumed from a snapshot may have no disk checkpoint yet: only a disk resume counts.
+  std::optional<std::int64_t> lastSaved =
+      result.resumedSource == "disk" ? result.resumedFrom : std::optional<std::int64_t>();
   const auto checkpoint = [&](const SamplerPosition& next) {
     if (!d.checkpointer || lastSaved == step) return;
     d.checkpointer->save(d.model, &d.optimizer,

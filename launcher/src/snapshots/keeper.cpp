@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <functional>
 #include <list>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -41,6 +42,7 @@ struct Piece {
   int rank = 0;
   int world = 0;
   std::int64_t step = 0;
+  int round = 0;
   std::uint64_t bytes = 0;
   bool peer = false;
 };
@@ -86,6 +88,7 @@ struct SnapshotKeeper::Impl {
   mutable std::mutex mutex;  // guards everything below
   std::list<Piece> pieces;
   std::uint64_t held = 0;
+  int newestRound = 0;
   int refused = 0;
   struct Stream {
     Fd fd;
@@ -104,11 +107,18 @@ struct SnapshotKeeper::Impl {
   // Takes a piece in, or says why not.
   std::string admit(Piece p) {
     std::scoped_lock lock(mutex);
+    if (p.round < newestRound) {
+      // A late piece of a round that is over (a stream that finished after the restart).
+      return "the " + describe(p) + " is from round " + std::to_string(p.round) + ", older than round " +
+             std::to_string(newestRound);
+    }
+    newestRound = p.round;
     for (auto it = pieces.begin(); it != pieces.end();) {
       const bool otherWorld = it->world != p.world;
-      const bool same = it->rank == p.rank && it->peer == p.peer && it->step == p.step;
+      // The same rank at this step or later: another trajectory (a resume from further back).
+      const bool superseded = it->rank == p.rank && it->peer == p.peer && it->step >= p.step;
       auto next = std::next(it);
-      if (otherWorld || same) drop(it);
+      if (otherWorld || superseded) drop(it);
       it = next;
     }
     const int keep = p.peer ? kKeepPeer : kKeepLocal;
@@ -123,15 +133,13 @@ struct SnapshotKeeper::Impl {
       if (count < keep) break;
       drop(oldest);
     }
-    while (held + p.bytes > options.memoryLimit) {
-      auto oldest = pieces.end();
-      for (auto it = pieces.begin(); it != pieces.end(); ++it) {
-        if (it->step < p.step && (oldest == pieces.end() || it->step < oldest->step)) oldest = it;
-      }
-      if (oldest == pieces.end()) break;
-      drop(oldest);
+    // Only older pieces may make room, and only if that is enough: a piece that cannot fit
+    // leaves the other ranks' pieces alone.
+    std::uint64_t older = 0;
+    for (const auto& q : pieces) {
+      if (q.step < p.step) older += q.bytes;
     }
-    if (held + p.bytes > options.memoryLimit) {
+    if (held - older + p.bytes > options.memoryLimit) {
       ++refused;
       // What this rank left is older than what it just sent: useless for a restart now.
       for (auto it = pieces.begin(); it != pieces.end();) {
@@ -141,6 +149,13 @@ struct SnapshotKeeper::Impl {
       }
       return "the " + describe(p) + " does not fit this node's snapshot memory limit (--snapshot_memory_limit " +
              std::to_string(options.memoryLimit) + " bytes, " + std::to_string(held) + " held)";
+    }
+    while (held + p.bytes > options.memoryLimit) {
+      auto oldest = pieces.end();
+      for (auto it = pieces.begin(); it != pieces.end(); ++it) {
+        if (it->step < p.step && (oldest == pieces.end() || it->step < oldest->step)) oldest = it;
+      }
+      drop(oldest);
     }
     held += p.bytes;
     log::debug("snapshot keeper: holding the {}", describe(p));
@@ -155,6 +170,7 @@ struct SnapshotKeeper::Impl {
     p.rank = header.at("rank").get<int>();
     p.world = header.at("world").get<int>();
     p.step = header.at("step").get<std::int64_t>();
+    p.round = header.value("round", 0);
     p.bytes = snapshot::fileBytes(fd.get());
     p.peer = peer;
     if (p.world < 1 || p.rank < 0 || p.rank >= p.world || p.step < 0) throw Error("a piece names rank " + std::to_string(p.rank) + " of world " + std::to_string(p.world));
@@ -225,6 +241,11 @@ struct SnapshotKeeper::Impl {
     const std::string peerName = "a peer snapshot stream";
     try {
       for (;;) {
+        // Between pieces a stream may idle as long as a training step takes; within one, the
+        // read timeout (a minute without a byte) ends it.
+        pollfd ready{fd, POLLIN, 0};
+        while (::poll(&ready, 1, -1) < 0 && errno == EINTR) {
+        }
         std::uint32_t length = 0;
         if (!snapshot::readAll(fd, &length, sizeof(length))) return;
         if (length > 65536) throw ProtocolError(peerName + " sent a header of " + std::to_string(length) + " bytes");
@@ -248,9 +269,9 @@ struct SnapshotKeeper::Impl {
         Fd memfd = snapshot::createMemfd("fsdprun-peer-snapshot", bytes);
         void* map = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, memfd.get(), 0);
         if (map == MAP_FAILED) throwErrno("mapping a peer snapshot", errno);
-        const bool complete = snapshot::readAll(fd, map, bytes);
-        ::munmap(map, bytes);
-        if (!complete) return;
+        std::unique_ptr<void, std::function<void(void*)>> unmap(map, [bytes](void* m) { ::munmap(m, bytes); });
+        if (!snapshot::readAll(fd, map, bytes)) return;
+        unmap.reset();  // no writable mapping may remain when sealing against writes
         snapshot::sealPiece(memfd.get(), /*writes=*/true);
         std::string error;
         try {
@@ -268,6 +289,37 @@ struct SnapshotKeeper::Impl {
     }
   }
 
+  // A peer stream gets a thread of its own, up to kMaxStreams at once; a stream that sends
+  // nothing for a minute is closed (a node that died mid-piece).
+  static constexpr std::size_t kMaxStreams = 64;
+  void acceptStream(Fd c) {
+    std::scoped_lock lock(mutex);
+    std::erase_if(streams, [](Stream& s) {
+      if (!s.done) return false;
+      s.thread.join();
+      return true;
+    });
+    if (streams.size() >= kMaxStreams) {
+      log::warn("snapshot keeper: {} peer streams open already; refusing another", streams.size());
+      return;
+    }
+    timeval tv{.tv_sec = 60, .tv_usec = 0};
+    ::setsockopt(c.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    ::setsockopt(c.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+    auto& s = streams.emplace_back();
+    s.fd = std::move(c);
+    try {
+      s.thread = std::thread([this, &s] {
+        readStream(s.fd.get());
+        ::shutdown(s.fd.get(), SHUT_RDWR);  // the sender learns at once; the fd goes at the next accept
+        s.done = true;
+      });
+    } catch (const std::system_error& e) {
+      log::warn("snapshot keeper: no thread for a peer stream: {}", e.what());
+      streams.pop_back();
+    }
+  }
+
   // ---- the loop ----------------------------------------------------------------------------
 
   void run() {
@@ -281,7 +333,8 @@ struct SnapshotKeeper::Impl {
       for (const auto& c : clients) fds.push_back({c.fd.get(), POLLIN, 0});
       if (::poll(fds.data(), fds.size(), 1000) < 0 && errno != EINTR) {
         log::error("snapshot keeper: poll failed: {}", std::strerror(errno));
-        return;
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        continue;
       }
       if (stopping) break;
       if ((fds[1].revents & POLLIN) != 0) {
@@ -294,21 +347,10 @@ struct SnapshotKeeper::Impl {
       }
       if ((fds[2].revents & POLLIN) != 0) {
         Fd c(::accept4(tcpListener.get(), nullptr, nullptr, SOCK_CLOEXEC));
-        if (c) {
-          std::scoped_lock lock(mutex);
-          std::erase_if(streams, [](Stream& s) {
-            if (!s.done) return false;
-            s.thread.join();
-            return true;
-          });
-          auto& s = streams.emplace_back();
-          s.fd = std::move(c);
-          s.thread = std::thread([this, &s] {
-            readStream(s.fd.get());
-            ::shutdown(s.fd.get(), SHUT_RDWR);  // the sender learns at once; the fd goes at the next accept
-            s.done = true;
-          });
+        if (!c && (errno == EMFILE || errno == ENFILE || errno == ENOMEM || errno == ENOBUFS)) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(100));  // not a busy loop
         }
+        if (c) acceptStream(std::move(c));
       }
       auto it = clients.begin();
       for (std::size_t i = 3; i < fds.size(); ++i, ++it) {

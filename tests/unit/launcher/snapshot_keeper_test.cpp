@@ -22,9 +22,9 @@ using fsdp::snapshot::Fd;
 using nlohmann::json;
 
 // A piece of `dataBytes` bytes of data for (rank, world, step), sealed unless asked not to.
-Fd makePiece(int rank, int world, std::int64_t step, std::uint64_t dataBytes = 4096, bool seal = true) {
-  const std::string header = json{{"rank", rank}, {"world", world}, {"step", step}, {"meta", json::object()},
-                                  {"blocks", json::array()}}
+Fd makePiece(int rank, int world, std::int64_t step, std::uint64_t dataBytes = 4096, bool seal = true, int round = 0) {
+  const std::string header = json{{"rank", rank}, {"world", world}, {"step", step}, {"round", round},
+                                  {"meta", json::object()}, {"blocks", json::array()}}
                                  .dump();
   const std::uint64_t total = fsdp::snapshot::dataOffsetFor(header.size()) + dataBytes;
   Fd fd = fsdp::snapshot::createMemfd("test-piece", total);
@@ -116,6 +116,21 @@ TEST(SnapshotKeeper, AnUnsealedPieceOrGarbageIsRefusedAndTheKeeperServesOn) {
   EXPECT_TRUE(other.put(makePiece(0, 1, 2))["ok"].get<bool>());
   EXPECT_EQ(c.list().size(), 1u);
   EXPECT_EQ(keeper.stats().piecesHeld, 1);
+}
+
+TEST(SnapshotKeeper, AResumeFromFurtherBackDropsTheAbandonedStepsAndALateRoundIsRefused) {
+  SnapshotKeeper keeper(options());
+  Client c(keeper);
+  for (int step = 1; step <= 5; ++step) EXPECT_TRUE(c.put(makePiece(0, 1, step, 4096, true, 1))["ok"].get<bool>());
+  // Round 2 resumed from disk at step 2: its step 3 replaces the old 3, 4 and 5.
+  EXPECT_TRUE(c.put(makePiece(0, 1, 3, 4096, true, 2))["ok"].get<bool>());
+  using T = std::tuple<int, int, std::int64_t, bool>;
+  EXPECT_EQ(c.list(), (std::vector<T>{{0, 1, 3, false}}));
+  // A piece of round 1 arriving now (a stream that finished late) changes nothing.
+  const auto late = c.put(makePiece(0, 1, 9, 4096, true, 1));
+  EXPECT_FALSE(late["ok"].get<bool>());
+  EXPECT_NE(late["error"].get<std::string>().find("older than round 2"), std::string::npos) << late;
+  EXPECT_EQ(c.list(), (std::vector<T>{{0, 1, 3, false}}));
 }
 
 TEST(SnapshotKeeper, ThePieceThatDoesNotFitTheLimitIsRefusedNamingIt) {

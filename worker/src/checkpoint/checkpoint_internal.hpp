@@ -270,9 +270,11 @@ struct RankState {
   RankPlan plan;
   json meta;
 };
+// `everyReplica`: save the shards even where this rank is not their primary replica (NO_SHARD,
+// HYBRID_SHARD): a snapshot restores each rank from its own piece.
 RankState describeRank(FullyShardedDataParallel& model, torch::optim::Optimizer* optimizer,
                        const TrainingProgress& progress, int rank, int world, bool copy, bool buffers,
-                       bool withMeta);
+                       bool withMeta, bool everyReplica = false);
 
 // Collective. Loads `m` (read through `reader`) into the model, the optimizer and the RNG once
 // every rank has read and checked its part; throws ConfigError on every rank (nothing changed)

@@ -46,7 +46,7 @@ namespace detail {
 
 RankState describeRank(FullyShardedDataParallel& model, torch::optim::Optimizer* optimizer,
                        const TrainingProgress& progress, int rank, int world, bool copy, bool buffers,
-                       bool withMeta) {
+                       bool withMeta, bool everyReplica) {
   const ShardLayout layout = model->shardLayout();
   const std::string kind = optimizer != nullptr ? optimizerKind(*optimizer) : "";
   at::NoGradGuard noGrad;
@@ -69,7 +69,7 @@ RankState describeRank(FullyShardedDataParallel& model, torch::optim::Optimizer*
       for (const auto& item : state->tensors) stateNames.insert(item.first);
     }
     scalars.push_back(flatScalars);
-    if (!layout.primaryReplica || valid == 0) continue;
+    if ((!layout.primaryReplica && !everyReplica) || valid == 0) continue;
     addBlock(plan, {.flat = static_cast<int>(f), .what = "param", .start = flat.shardOffset, .count = valid},
              flat.shard.detach().narrow(0, 0, valid), copy);
     if (state) {

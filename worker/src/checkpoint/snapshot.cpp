@@ -4,8 +4,6 @@
 #include "fsdp/worker/snapshot.hpp"
 
 #include <arpa/inet.h>
-#include <pthread.h>
-#include <sched.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/mman.h>
@@ -138,7 +136,9 @@ struct Snapshotter::Impl {
       blocks.push_back(blockJson(b));
     }
     const std::string header =
-        json{{"rank", rank}, {"world", world}, {"step", step}, {"meta", std::move(meta)}, {"blocks", blocks}}.dump();
+        json{{"rank", rank}, {"world", world}, {"step", step}, {"round", runtime.env().round}, {"meta", std::move(meta)},
+             {"blocks", blocks}}
+            .dump();
     const std::uint64_t dataOffset = snapshot::dataOffsetFor(header.size());
     const std::uint64_t total = dataOffset + offset;
     Buffer& buffer = bufferFor(total, step);
@@ -261,17 +261,14 @@ void Snapshotter::save(FullyShardedDataParallel& model, torch::optim::Optimizer*
   // Buffers change in the next forward: copied now (they are small); shards and optimizer state
   // only change at the next optimizer step, after wait().
   auto state = describeRank(model, optimizer, progress, d.runtime.rank(), d.runtime.worldSize(), /*copy=*/false,
-                            /*buffers=*/false, /*withMeta=*/true);
+                            /*buffers=*/false, /*withMeta=*/true, /*everyReplica=*/true);
+  state.meta["primary_replica"] = model->shardLayout().primaryReplica;
   for (const auto& item : model->module()->named_buffers()) {
     Block b{.what = "buffer/" + item.key()};
     b.shape = item.value().sizes().vec();
     addBlock(state.plan, b, item.value().detach(), /*copy=*/true);
   }
   d.worker = std::thread([&d, plan = std::move(state.plan), meta = std::move(state.meta), step = progress.step]() mutable {
-    // The copy takes the CPU only when the training would leave it idle (waiting on a peer);
-    // wait() before the next optimizer step makes it finish regardless.
-    sched_param idle{};
-    ::pthread_setschedparam(::pthread_self(), SCHED_IDLE, &idle);
     try {
       d.write(std::move(plan), std::move(meta), step);
     } catch (const std::exception& e) {
@@ -382,8 +379,16 @@ std::optional<TrainingProgress> Snapshotter::restore(FullyShardedDataParallel& m
         throw ConfigError(label + ": rank " + std::to_string(q) + "'s part is of another step or world");
       }
       const std::uint64_t dataOffset = snapshot::dataOffsetFor(snapshot::readPieceHeader(fd.get(), label).size());
-      json blocks = header.at("blocks");
-      for (auto& b : blocks) b["offset"] = b.at("offset").get<std::uint64_t>() + dataOffset;
+      json blocks = json::array();
+      // Across world sizes, each element is read from its primary replica only (NO_SHARD and
+      // HYBRID_SHARD replicas hold the same values more than once).
+      const bool primary = header.at("meta").value("primary_replica", true);
+      for (auto b : header.at("blocks")) {
+        const std::string what = b.at("what").get<std::string>();
+        if (!sameWorld && !primary && (what == "param" || what.starts_with("optim/"))) continue;
+        b["offset"] = b.at("offset").get<std::uint64_t>() + dataOffset;
+        blocks.push_back(std::move(b));
+      }
       files.push_back({{"rank", q}, {"bytes", snapshot::fileBytes(fd.get())}, {"blocks", blocks}});
       if (meta.is_null()) meta = header.at("meta");
       pieces.emplace_back(q, std::move(fd));
