@@ -160,7 +160,8 @@ void sendMessage(int sock, std::string_view text, int fd) {
 }
 
 std::optional<std::pair<std::string, Fd>> receiveMessage(int sock) {
-  std::vector<char> buffer(kMaxMessage);
+  // One buffer per thread: a message arrives every step, and most are a few bytes.
+  thread_local std::vector<char> buffer(kMaxMessage);
   iovec iov{buffer.data(), buffer.size()};
   msghdr msg{};
   msg.msg_iov = &iov;

@@ -373,12 +373,13 @@ std::optional<TrainingProgress> Snapshotter::restore(FullyShardedDataParallel& m
         throw ConfigError(label + ": the agent no longer holds rank " + std::to_string(q) + "'s part");
       }
       fromPeer = fromPeer || answer.value("peer", false);
-      const json header = json::parse(snapshot::readPieceHeader(fd.get(), label + " of rank " + std::to_string(q)));
+      const std::string headerText = snapshot::readPieceHeader(fd.get(), label + " of rank " + std::to_string(q));
+      const json header = json::parse(headerText);
       if (header.at("step").get<std::int64_t>() != step || header.at("world").get<int>() != oldWorld ||
           header.at("rank").get<int>() != q) {
         throw ConfigError(label + ": rank " + std::to_string(q) + "'s part is of another step or world");
       }
-      const std::uint64_t dataOffset = snapshot::dataOffsetFor(snapshot::readPieceHeader(fd.get(), label).size());
+      const std::uint64_t dataOffset = snapshot::dataOffsetFor(headerText.size());
       json blocks = json::array();
       // Across world sizes, each element is read from its primary replica only (NO_SHARD and
       // HYBRID_SHARD replicas hold the same values more than once).
