@@ -8,12 +8,14 @@
 
 #include <ATen/Functions.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <sstream>
 
 #include "bench.hpp"
@@ -226,66 +228,91 @@ void fsdpTrain(const Args& args) {
                                           std::to_string(steps), "--batch_size",
                                           std::to_string(batch)};
   const auto limit = std::chrono::seconds(1800);
-  double fullShard = 0;
-  double ddp = 0;
-  const auto report = [&](const std::string& impl, const std::string& sharding, int ranks,
-                          int threads, const Outcome& outcome) -> double {
+  const auto reps = args.ints("reps", "1").front();
+  // Two rates per run: over every step, and past the first kWarmupSteps (the rate a long run
+  // settles at; the first steps touch every buffer for the first time, which this VM's host
+  // backs at ~2 ms per MB). Comparisons are made per rep on both, and their medians reported.
+  struct Rate {
+    double whole = 0;
+    double steady = 0;
+  };
+  std::map<std::string, std::vector<Rate>> rates;  // impl -> one per rep
+  const auto report = [&](const std::string& impl, const std::string& sharding, int ranks, int threads,
+                          int rep, const Outcome& outcome) {
     nlohmann::json line = {{"bench", "fsdp_train"}, {"impl", impl},   {"model", model},
                            {"sharding", sharding},  {"ranks", ranks}, {"threads_per_rank", threads},
-                           {"global_batch", batch}, {"steps", steps}};
+                           {"global_batch", batch}, {"steps", steps}, {"rep", rep}};
     const auto* result = lastWith(outcome, "train_samples_per_s");
     if (!outcome.ok || result == nullptr) {
       line["error"] = outcome.error.empty() ? "no result line" : outcome.error;
       emit(line);
-      return 0;
+      return;
     }
     line["samples_per_s"] = (*result)["train_samples_per_s"];
+    line["samples_per_s_steady"] = result->value("train_samples_per_s_steady", 0.0);
     line["peak_rss_mb_rank0"] = (*result)["peak_rss_mb"];
     emit(line);
-    return (*result)["train_samples_per_s"].get<double>();
+    rates[impl + "/" + sharding].push_back({(*result)["train_samples_per_s"].get<double>(),
+                                             result->value("train_samples_per_s_steady", 0.0)});
   };
-  std::string sharding;
-  while (std::getline(strategies, sharding, ',')) {
-    std::vector<std::string> argv = {bin + "/fsdprun", "--standalone", "--nproc_per_node", "2"};
-    argv.insert(argv.end(), mnist.begin(), mnist.end());
-    argv.insert(argv.end(), {"--sharding", sharding});
-    // "fsdp": what fsdp::init() picks (shared memory between the ranks of this node).
-    const double rate = report("fsdp", sharding, 2, 1,
-                               runAll({{.argv = argv, .env = environmentWith({"OMP_NUM_THREADS=1"})}}, limit));
-    if (sharding == "FULL_SHARD") {
-      fullShard = rate;
-      report("fsdp_gloo", sharding, 2, 1,
-             runAll({{.argv = argv, .env = environmentWith({"OMP_NUM_THREADS=1", "FSDPRUN_BACKEND=gloo"})}}, limit));
+  const auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : v.size() % 2 == 1 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+  };
+  // "a / b" per rep where both ran, on both rates; one line with the medians.
+  const auto compare = [&](const std::string& what, const std::string& key, const std::string& a,
+                           const std::string& b) {
+    const auto& x = rates[a];
+    const auto& y = rates[b];
+    std::vector<double> whole, steady;
+    for (std::size_t i = 0; i < std::min(x.size(), y.size()); ++i) {
+      if (y[i].whole > 0) whole.push_back(x[i].whole / y[i].whole);
+      if (y[i].steady > 0 && x[i].steady > 0) steady.push_back(x[i].steady / y[i].steady);
     }
+    if (whole.empty()) return;
+    emit({{"bench", "fsdp_train"}, {"compare", what}, {"model", model}, {"reps", whole.size()},
+          {key, median(steady)}, {key + "_every_step", median(whole)}, {key + "_per_rep", steady},
+          {key + "_every_step_per_rep", whole}});
+  };
+  std::vector<std::string> shardings;
+  for (std::string sharding; std::getline(strategies, sharding, ',');) shardings.push_back(sharding);
+  for (int rep = 0; rep < reps; ++rep) {
+    for (const auto& sharding : shardings) {
+      std::vector<std::string> argv = {bin + "/fsdprun", "--standalone", "--nproc_per_node", "2"};
+      argv.insert(argv.end(), mnist.begin(), mnist.end());
+      argv.insert(argv.end(), {"--sharding", sharding});
+      // "fsdp": what fsdp::init() picks (shared memory between the ranks of this node).
+      report("fsdp", sharding, 2, 1, rep,
+             runAll({{.argv = argv, .env = environmentWith({"OMP_NUM_THREADS=1"})}}, limit));
+      if (sharding == "FULL_SHARD") {
+        report("fsdp_gloo", sharding, 2, 1, rep,
+               runAll({{.argv = argv, .env = environmentWith({"OMP_NUM_THREADS=1", "FSDPRUN_BACKEND=gloo"})}}, limit));
+      }
+    }
+    {
+      std::vector<std::string> argv = {bin + "/fsdprun", "--standalone", "--nproc_per_node", "1"};
+      argv.insert(argv.end(), mnist.begin(), mnist.end());
+      report("libtorch_single", "-", 1, 2, rep,
+             runAll({{.argv = argv, .env = environmentWith({"OMP_NUM_THREADS=2"})}}, limit));
+    }
+    if (!havePython()) continue;
+    const std::vector<std::string> script = {peerScript("mnist_torch.py"), "--model", model,
+                                             "--steps", std::to_string(steps), "--batch_size",
+                                             std::to_string(batch)};
+    auto ddpArgs = script;
+    ddpArgs.insert(ddpArgs.end(), {"--threads", "1"});
+    report("pytorch_ddp_gloo", "-", 2, 1, rep, runAll(torchProcesses(ddpArgs, 2, 1), limit));
+    auto singleArgs = script;
+    singleArgs.insert(singleArgs.end(), {"--threads", "2"});
+    report("pytorch_single", "-", 1, 2, rep, runAll(torchProcesses(singleArgs, 1, 2), limit));
   }
-  double single = 0;
-  {
-    std::vector<std::string> argv = {bin + "/fsdprun", "--standalone", "--nproc_per_node", "1"};
-    argv.insert(argv.end(), mnist.begin(), mnist.end());
-    single = report("libtorch_single", "-", 1, 2,
-                    runAll({{.argv = argv, .env = environmentWith({"OMP_NUM_THREADS=2"})}}, limit));
-  }
-  if (fullShard > 0 && single > 0) {
-    emit({{"bench", "fsdp_train"}, {"compare", "FULL_SHARD 2 ranks x 1 thread / one LibTorch process x 2 threads"},
-          {"model", model}, {"ratio", fullShard / single}});
-  }
+  compare("FULL_SHARD 2 ranks x 1 thread / one LibTorch process x 2 threads", "ratio", "fsdp/FULL_SHARD",
+          "libtorch_single/-");
   if (!havePython()) {
     emit({{"bench", "fsdp_train"}, {"impl", "pytorch"}, {"error", "unavailable: needs python3-torch"}});
     return;
   }
-  const std::vector<std::string> script = {peerScript("mnist_torch.py"), "--model", model,
-                                           "--steps", std::to_string(steps), "--batch_size",
-                                           std::to_string(batch)};
-  auto ddpArgs = script;
-  ddpArgs.insert(ddpArgs.end(), {"--threads", "1"});
-  ddp = report("pytorch_ddp_gloo", "-", 2, 1, runAll(torchProcesses(ddpArgs, 2, 1), limit));
-  auto singleArgs = script;
-  singleArgs.insert(singleArgs.end(), {"--threads", "2"});
-  report("pytorch_single", "-", 1, 2, runAll(torchProcesses(singleArgs, 1, 2), limit));
-  if (fullShard > 0 && ddp > 0) {
-    emit({{"bench", "fsdp_train"}, {"compare", "FULL_SHARD vs pytorch DDP (2 ranks)"},
-          {"model", model}, {"speedup", fullShard / ddp}});
-  }
+  compare("FULL_SHARD vs pytorch DDP (2 ranks)", "speedup", "fsdp/FULL_SHARD", "pytorch_ddp_gloo/-");
 }
 
 void collectives(const Args& args) {

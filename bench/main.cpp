@@ -130,10 +130,12 @@ int main(int argc, char** argv) {
        multiAgent},
       {"fsdp_train",
        "DeepNet (--model deep|shallow|gpt) for --steps on 2 ranks x 1 thread per FSDP strategy, one "
-       "LibTorch process x 2 threads, PyTorch DDP on Gloo 2 x 1 and PyTorch 1 x 2: samples/s and "
-       "peak RSS (--strategies FULL_SHARD,SHARD_GRAD_OP,NO_SHARD --batch_size 256); gpt: 12 layers "
-       "d=768, FULL_SHARD 2 ranks vs one process, per-rank peak RSS ratio",
-       {"model", "steps", "batch_size", "strategies"},
+       "LibTorch process x 2 threads, PyTorch DDP on Gloo 2 x 1 and PyTorch 1 x 2: samples/s over "
+       "every step and past the first 2 (steady), peak RSS; --reps runs of each, alternating, and "
+       "the medians of the per-rep ratios (--strategies FULL_SHARD,SHARD_GRAD_OP,NO_SHARD "
+       "--batch_size 256 --reps 1); gpt: 12 layers d=768, FULL_SHARD 2 ranks vs one process, "
+       "per-rank peak RSS ratio",
+       {"model", "steps", "batch_size", "strategies", "reps"},
        fsdpTrain},
       {"accuracy",
        "mnist test accuracy after --epochs (1) of the recipe (Adam 1e-3, batch 256, dropout): FSDP "

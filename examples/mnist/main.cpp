@@ -132,6 +132,7 @@ int run(const Flags& flags) {
         {"test_accuracy", result.eval.accuracy},
         {"test_loss", result.eval.loss},
         {"train_samples_per_s", result.samplesPerSecond},
+        {"train_samples_per_s_steady", result.steadySamplesPerSecond},
         {"peak_rss_mb", fsdp::examples::peakRssMb()},
         {"params_sha256", hash},
     };

@@ -289,6 +289,7 @@ TEST(Mnist, TwoRanksTrainAndRankZeroPrintsTheSummaryLine) {
   ASSERT_EQ(r.exitCode, 0) << r.out << r.err;
   const auto lastLine = r.out.substr(r.out.rfind('{'));
   for (const char* key : {"\"test_accuracy\"", "\"test_loss\"", "\"steps\":20", "\"train_samples_per_s\"",
+                          "\"train_samples_per_s_steady\"",
                           "\"peak_rss_mb\"", "\"params_sha256\""}) {
     EXPECT_NE(lastLine.find(key), std::string::npos) << key << " missing in " << lastLine;
   }

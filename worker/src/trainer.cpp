@@ -335,6 +335,9 @@ FitResult Trainer::fit(const Dataset& train, const Dataset* eval) {
   std::int64_t intervalSteps = 0;
   auto intervalStart = Clock::now();
   double trainSeconds = 0, totalSamples = 0, totalTokens = 0;
+  // The same past the first kWarmupSteps steps of this run, which touch memory for the first time.
+  double steadySeconds = 0, steadySamples = 0;
+  std::int64_t stepsThisRun = 0;
   double lastLr = 0;
   std::int64_t lastEvalStep = -1;
   d.model->train();
@@ -408,6 +411,10 @@ FitResult Trainer::fit(const Dataset& train, const Dataset* eval) {
       const double stepSeconds = std::chrono::duration<double>(Clock::now() - stepStart).count();
       trainSeconds += stepSeconds;
       totalSamples += static_cast<double>(item.globalBatch);
+      if (++stepsThisRun > kWarmupSteps) {
+        steadySeconds += stepSeconds;
+        steadySamples += static_cast<double>(item.globalBatch);
+      }
       totalTokens += static_cast<double>(b.tokens) * world;
       if (afterStep) afterStep(step);
 
@@ -493,6 +500,7 @@ FitResult Trainer::fit(const Dataset& train, const Dataset* eval) {
   d.barOpen = false;
   result.steps = step;
   result.samplesPerSecond = totalSamples / std::max(trainSeconds, 1e-9);
+  if (steadySamples > 0) result.steadySamplesPerSecond = steadySamples / std::max(steadySeconds, 1e-9);
   result.tokensPerSecond = totalTokens / std::max(trainSeconds, 1e-9);
   result.peakRssMb = std::max(result.peakRssMb, d.reduce({peakRssMb()}, ReduceOp::kMax)[0]);
   return result;

@@ -442,6 +442,9 @@ TEST(TrainerAccumulation, AGlobalBatchThatDoesNotSplitEvenlyOverRanksAndMicroBat
                        .evaluateEveryEpoch = false, .logEvery = 0, .progress = ProgressStyle::kNone});
       const auto result = trainer.fit(data);
       EXPECT_EQ(result.steps, 3);
+      // The steady rate counts the steps past the first kWarmupSteps: here the third.
+      static_assert(kWarmupSteps == 2);
+      EXPECT_GT(result.steadySamplesPerSecond, 0);
       auto full = model->fullParameters();
       if (rt.rank() == 0) {
         std::scoped_lock lock(mutex);

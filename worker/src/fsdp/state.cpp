@@ -241,7 +241,7 @@ void FsdpState::reduceGradient(int u, int f) {
   flat.fullGrad = at::Tensor();  // the queued operation holds it until it is done
   if (input.scalar_type() != reduceDtype_) input = input.to(reduceDtype_);
   if (shardComm_ != nullptr) {
-    at::Tensor output = at::empty({flat.shardNumel}, input.options());
+    at::Tensor output = emptyBlock(flat.shardNumel, input.options());
     pending_.push_back({u, f, output, shardComm_->reduceScatter(input, output, ReduceOp::kAverage),
                         options_.strategy == ShardingStrategy::kHybridShard && gradSyncComm_ != nullptr});
   } else if (gradSyncComm_ != nullptr) {

@@ -82,6 +82,8 @@ struct EvalResult {
   std::int64_t samples = 0;
 };
 
+inline constexpr std::int64_t kWarmupSteps = 2;
+
 struct FitResult {
   std::int64_t steps = 0;          // optimizer steps done in all (resumed ones included)
   std::optional<std::int64_t> resumedFrom;  // the checkpoint's step, when the run resumed
@@ -89,6 +91,10 @@ struct FitResult {
   double trainLoss = 0;            // mean over the last logging interval
   EvalResult eval;                 // the last evaluation
   double samplesPerSecond = 0;     // over this process's training time
+  // Over the steps after the first kWarmupSteps of this run (0 when there were none): the rate
+  // a long run settles at, without the first steps' one-time costs (every buffer touched for
+  // the first time, optimizer state created).
+  double steadySamplesPerSecond = 0;
   double tokensPerSecond = 0;
   double peakRssMb = 0;            // the largest of the ranks
 };
