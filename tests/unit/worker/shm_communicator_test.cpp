@@ -64,6 +64,53 @@ TEST_P(ShmWorld, BigTensorsWithTheDefaultSlotsAndEveryRankGetsTheSameSum) {
   });
 }
 
+// Outputs of 8 MB and more take the streaming paths (non-temporal stores; reduce-scatter of
+// fp32 fused into one pass over a power-of-two group): bit-identical to the same sums made
+// with ATen in the communicator's order (own chunk, then the others by rank, then / world),
+// with uneven chunks and outputs that start off a 16-byte boundary.
+TEST_P(ShmWorld, LargeOutputsTakeTheStreamingPathsAndEqualTheLocalSumsBitForBit) {
+  const int world = GetParam();
+  if (world == 1) GTEST_SKIP() << "one rank copies";
+  const std::uint64_t seed = std::random_device{}();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const auto inputOf = [seed](int r, std::int64_t n) {
+    return at::randn({n}, at::detail::createCPUGenerator(seed + static_cast<std::uint64_t>(r)));
+  };
+  const std::int64_t gatherEach = (std::int64_t{3} << 20) + 7;                 // 12 MB per rank
+  const std::int64_t scatterTotal = world * ((std::int64_t{5} << 19) + 3) + 1;  // 10 MB chunks
+  runShm(world, std::size_t{512} << 10, [&](fw::Communicator& comm, int rank) {
+    // All-gather: every rank's input, in rank order.
+    const std::int64_t gatherTotal = gatherEach * world - 3;
+    const auto gatherCounts = fw::chunkSizes(gatherTotal, world);
+    auto gatherStore = at::empty({gatherTotal + 1});
+    auto gathered = gatherStore.narrow(0, 1, gatherTotal);  // 4 bytes off alignment
+    comm.allGather(inputOf(rank, gatherCounts[static_cast<std::size_t>(rank)]), gathered).wait();
+    std::vector<at::Tensor> pieces;
+    for (int r = 0; r < world; ++r) pieces.push_back(inputOf(r, gatherCounts[static_cast<std::size_t>(r)]));
+    EXPECT_TRUE(at::equal(gathered, at::cat(pieces))) << "allGather, rank " << rank;
+
+    // Reduce-scatter, sum and average.
+    const auto counts = fw::chunkSizes(scatterTotal, world);
+    const auto offsets = fw::chunkOffsets(counts);
+    const auto mine = [&](int r) {
+      return inputOf(100 + r, scatterTotal)
+          .narrow(0, offsets[static_cast<std::size_t>(rank)], counts[static_cast<std::size_t>(rank)]);
+    };
+    for (const auto op : {fw::ReduceOp::kSum, fw::ReduceOp::kAverage}) {
+      auto outStore = at::empty({counts[static_cast<std::size_t>(rank)] + 1});
+      auto out = outStore.narrow(0, 1, counts[static_cast<std::size_t>(rank)]);
+      comm.reduceScatter(inputOf(100 + rank, scatterTotal), out, op).wait();
+      auto expected = mine(rank) + mine(rank == 0 ? 1 : 0);
+      for (int r = 0; r < world; ++r) {
+        if (r != rank && r != (rank == 0 ? 1 : 0)) expected.add_(mine(r));
+      }
+      if (op == fw::ReduceOp::kAverage) expected.div_(world);
+      EXPECT_TRUE(at::equal(out, expected)) << "reduceScatter " << (op == fw::ReduceOp::kSum ? "sum" : "average")
+                                            << ", rank " << rank;
+    }
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(WorldSizes, ShmWorld, ::testing::Values(1, 2, 3, 4));
 
 // Several nodes: shared memory inside each (threads stand for the node's ranks) and Gloo
