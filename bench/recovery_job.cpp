@@ -62,18 +62,7 @@ RdzvServer::RdzvServer(const std::string& logPath) {
     throw;
   }
   ::close(fds[1]);
-  std::string line;  // "fsdprun-rdzv: listening on HOST:PORT (...)"
-  const auto deadline = Clock::now() + 10s;
-  while (line.find('\n') == std::string::npos) {
-    const auto left =
-        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    pollfd pfd{fds[0], POLLIN, 0};
-    if (left.count() <= 0 || ::poll(&pfd, 1, static_cast<int>(left.count())) <= 0) break;
-    char buf[256];
-    const ssize_t n = ::read(fds[0], buf, sizeof(buf));
-    if (n <= 0) break;
-    line.append(buf, static_cast<std::size_t>(n));
-  }
+  const std::string line = readLineWithin(fds[0], 10s);  // "fsdprun-rdzv: listening on HOST:PORT (...)"
   ::close(fds[0]);
   const auto colon = line.rfind(':', line.find(" ("));
   if (line.find("listening on") == std::string::npos || colon == std::string::npos) {

@@ -1,7 +1,6 @@
 #include "rdzv_daemon.hpp"
 
 #include <fcntl.h>
-#include <poll.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -22,18 +21,7 @@ RdzvDaemon::RdzvDaemon(const std::vector<std::string>& args, const std::vector<s
   process_.emplace(ChildProcess::spawn(options));
   ::close(fds[1]);
   // Read "fsdprun-rdzv: listening on HOST:PORT ..." within 10 s.
-  std::string line;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (line.find('\n') == std::string::npos) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-        deadline - std::chrono::steady_clock::now());
-    pollfd pfd{fds[0], POLLIN, 0};
-    if (left.count() <= 0 || ::poll(&pfd, 1, static_cast<int>(left.count())) <= 0) break;
-    char buf[256];
-    const ssize_t n = ::read(fds[0], buf, sizeof(buf));
-    if (n <= 0) break;
-    line.append(buf, static_cast<std::size_t>(n));
-  }
+  const std::string line = readLineWithin(fds[0], std::chrono::seconds(10));
   ::close(fds[0]);
   const auto colon = line.rfind(':', line.find(" ("));
   if (line.find("listening on") == std::string::npos || colon == std::string::npos) {

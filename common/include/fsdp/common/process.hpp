@@ -74,6 +74,11 @@ double peakRssMb();
 // Seconds since this process started (from /proc/self/stat and /proc/uptime); -1 if unknown.
 double processAgeSeconds();
 
+// Reads `fd` until a newline has arrived, `timeout` has passed or the writer closed it, and
+// returns what it read (possibly more than one line, possibly no newline at all). For a child's
+// first line on a pipe, such as "fsdprun-rdzv: listening on HOST:PORT".
+std::string readLineWithin(int fd, std::chrono::milliseconds timeout);
+
 // Raises this process's soft RLIMIT_NOFILE to its hard one (the soft one is often 1,024, too
 // few for a server of thousands of connections). Children inherit it.
 void raiseDescriptorLimit();
