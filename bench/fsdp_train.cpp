@@ -37,8 +37,11 @@ std::string peerScript(const std::string& name) {
 
 bool havePython() { return ::access("/usr/bin/python3", X_OK) == 0; }
 
-// Environment of this process with `overrides` (KEY=VALUE) replacing or adding entries.
-std::vector<std::string> environmentWith(const std::vector<std::string>& overrides) {
+// Environment of this process with `overrides` (KEY=VALUE) replacing or adding entries. Every
+// implementation gets the malloc setting fsdprun gives its workers (huge pages for what glibc
+// maps), so that no side is measured with an allocator setting the other lacks.
+std::vector<std::string> environmentWith(std::vector<std::string> overrides) {
+  if (std::getenv("GLIBC_TUNABLES") == nullptr) overrides.push_back("GLIBC_TUNABLES=glibc.malloc.hugetlb=1");
   std::vector<std::string> env;
   for (const auto& entry : currentEnvironment()) {
     const auto key = entry.substr(0, entry.find('=') + 1);
@@ -207,7 +210,7 @@ void accuracy(const Args& args) {
   const auto peerOutcome = runAll({{.argv = {"/usr/bin/python3", peerScript("mnist_accuracy_torch.py"), "--model",
                                              model, "--epochs", std::to_string(epochs), "--batch_size", globalBatch,
                                              "--threads", "2"},
-                                    .env = currentEnvironment()}},
+                                    .env = environmentWith({})}},
                                   limit);
   const auto* peer = report("pytorch 1 process x 2 threads", peerOutcome);
   if (ours != nullptr && peer != nullptr) {

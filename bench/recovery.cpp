@@ -106,6 +106,8 @@ std::vector<std::string> environmentWith(const std::string& runId) {
     if (!e.starts_with("OMP_NUM_THREADS=")) env.push_back(e);
   }
   env.push_back("OMP_NUM_THREADS=1");  // 2 ranks on 2 cores, on both sides
+  // fsdprun gives its workers this malloc setting (huge pages); torchrun's get it here too.
+  if (std::getenv("GLIBC_TUNABLES") == nullptr) env.push_back("GLIBC_TUNABLES=glibc.malloc.hugetlb=1");
   env.push_back("FSDP_BENCH_RECOVERY_RUN=" + runId);
   return env;
 }

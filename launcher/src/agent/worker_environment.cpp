@@ -41,14 +41,21 @@ std::vector<std::string> workerEnvironment(const LaunchOptions& options, const W
   }
   std::vector<std::string> env;
   bool haveOmp = false;
+  bool haveTunables = false;
   for (auto& entry : base) {
     const std::string key = entry.substr(0, entry.find('='));
     if (key == "OMP_NUM_THREADS") haveOmp = true;
+    if (key == "GLIBC_TUNABLES") haveTunables = true;
     // A token left in the agent's own environment never reaches the workers.
     if (key == "FSDPRUN_TOKEN") continue;
     if (!set.contains(key)) env.push_back(std::move(entry));
   }
   if (!haveOmp) env.push_back("OMP_NUM_THREADS=1");
+  // glibc's malloc asks for transparent huge pages on the memory it maps (glibc 2.35+; older
+  // ones and other allocators ignore it). A training step's large tensors then fault in 2 MB at a
+  // time instead of 4 KB: fewer faults every step, a faster restart (a worker's start-up and a
+  // snapshot's restore touch gigabytes) and a faster exit. A GLIBC_TUNABLES of the user's wins.
+  if (!haveTunables) env.push_back("GLIBC_TUNABLES=glibc.malloc.hugetlb=1");
   for (const auto& [key, value] : set) env.push_back(key + "=" + value);
   return env;
 }
