@@ -399,8 +399,12 @@ FitResult Trainer::fit(const Dataset& train, const Dataset* eval) {
         tokens += static_cast<double>(part.tokens);
       }
       if (o.clipGradNorm > 0) d.model->clipGradNorm(o.clipGradNorm);
-      if (d.snapshots) d.snapshots->wait();  // the last snapshot's copy is done before parameters change
-      d.optimizer.step();
+      // With snapshots, the step writes into the next snapshot's memory (no copy to take one).
+      if (d.snapshots) {
+        d.snapshots->step(d.model, d.optimizer);
+      } else {
+        d.optimizer.step();
+      }
       ++step;
       if (d.snapshots && step % o.snapshotEvery == 0) {
         d.snapshots->save(d.model, &d.optimizer,

@@ -60,20 +60,35 @@ void setTimeouts(int fd, std::chrono::milliseconds timeout) {
 
 }  // namespace
 
-// A piece's memory in this process: mapped once, written again once its keeper let it go.
+// A piece's memory in this process: mapped once, written again once its keeper let it go and no
+// live tensor lies in it (step() puts the parameters and the optimizer state in one).
 struct Buffer {
   Fd fd;
   char* map = nullptr;
   std::uint64_t bytes = 0;
-  std::int64_t step = -1;  // the snapshot it holds for the keeper; -1: free to write
+  std::int64_t step = -1;  // the snapshot it holds for the keeper; -1: none
+  // A layout made by step(): the header's reserved bytes and the small blocks' region at the
+  // start of the data; 0: a layout write() made.
+  std::uint64_t headerReserve = 0;
+  std::uint64_t smallBytes = 0;
   Buffer() = default;
-  Buffer(Buffer&& o) noexcept
-      : fd(std::move(o.fd)), map(std::exchange(o.map, nullptr)), bytes(o.bytes), step(o.step) {}
-  Buffer& operator=(Buffer&&) = delete;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
   ~Buffer() {
     if (map != nullptr) ::munmap(map, bytes);
   }
 };
+
+namespace {
+
+constexpr std::uint64_t alignUp(std::uint64_t n, std::uint64_t to) { return (n + to - 1) / to * to; }
+
+bool inside(const std::shared_ptr<Buffer>& b, const at::Tensor& t) {
+  const auto* p = static_cast<const char*>(t.data_ptr());
+  return b && p >= b->map && p < b->map + b->bytes;
+}
+
+}  // namespace
 
 struct Snapshotter::Impl {
   Runtime& runtime;
@@ -87,7 +102,10 @@ struct Snapshotter::Impl {
   std::atomic<bool> refused{false};
   bool peerFailed = false;
   std::string restoredFrom;
-  std::list<Buffer> buffers;  // used by the background thread only (and by wait()'s caller after)
+  // Used by the background thread only (and by wait()'s caller after). A buffer is free when
+  // the keeper no longer holds it and nothing else refers to it (use_count() == 1).
+  std::list<std::shared_ptr<Buffer>> buffers;
+  std::shared_ptr<Buffer> live;  // where step() put the shards and the optimizer state
 
   Impl(Runtime& rt, SnapshotOptions o) : runtime(rt), options(o) {}
 
@@ -100,59 +118,189 @@ struct Snapshotter::Impl {
   }
 
   // A free buffer of `bytes`, or a new one (mapped and faulted in once, its size sealed).
-  Buffer& bufferFor(std::uint64_t bytes, std::int64_t step) {
+  std::shared_ptr<Buffer> bufferFor(std::uint64_t bytes, std::int64_t step) {
     for (auto it = buffers.begin(); it != buffers.end();) {
-      if (it->step >= 0) {
+      if ((*it)->step >= 0 || it->use_count() > 1) {
         ++it;
-      } else if (it->bytes == bytes) {
+      } else if ((*it)->bytes == bytes) {
         return *it;
       } else {
         it = buffers.erase(it);  // another layout: its size will not come back
       }
     }
-    auto& b = buffers.emplace_back();
-    b.fd = snapshot::createMemfd("fsdprun-snapshot-r" + std::to_string(runtime.rank()) + "-s" + std::to_string(step),
-                                 bytes);
-    snapshot::sealPiece(b.fd.get(), /*writes=*/false);
-    void* map = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, b.fd.get(), 0);
-    if (map == MAP_FAILED) {
-      buffers.pop_back();
-      throwErrno("mapping a snapshot of " + std::to_string(bytes) + " bytes", errno);
-    }
-    b.map = static_cast<char*>(map);
-    b.bytes = bytes;
+    auto b = std::make_shared<Buffer>();
+    b->fd = snapshot::createMemfd("fsdprun-snapshot-r" + std::to_string(runtime.rank()) + "-s" + std::to_string(step),
+                                  bytes);
+    snapshot::sealPiece(b->fd.get(), /*writes=*/false);
+    void* map = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, b->fd.get(), 0);
+    if (map == MAP_FAILED) throwErrno("mapping a snapshot of " + std::to_string(bytes) + " bytes", errno);
+    b->map = static_cast<char*>(map);
+    b->bytes = bytes;
+    buffers.push_back(b);
     return b;
+  }
+
+  // Lays a zero-copy snapshot out in `buffer` when the plan's shards and optimizer state already
+  // lie in it (step() put them there): their offsets are where they are, the small blocks go to
+  // the region before them, the header into its reserve. False: the plan needs a copy.
+  static bool layOutInPlace(Buffer& buffer, RankPlan& plan, const json& headerBase, std::string& header) {
+    if (buffer.headerReserve == 0) return false;
+    const std::uint64_t dataOffset = snapshot::dataOffsetFor(buffer.headerReserve);
+    const char* data = buffer.map + dataOffset;
+    std::uint64_t small = 0;
+    json blocks = json::array();
+    for (std::size_t i = 0; i < plan.blocks.size(); ++i) {
+      auto& b = plan.blocks[i];
+      const auto* p = static_cast<const char*>(plan.data[i].data_ptr());
+      const bool big = b.what == "param" || b.what.starts_with("optim/");
+      if (big) {
+        if (p < data + buffer.smallBytes || p + b.bytes > buffer.map + buffer.bytes) return false;
+        b.offset = static_cast<std::uint64_t>(p - data);
+      } else {
+        if (small + b.bytes > buffer.smallBytes) return false;
+        b.offset = small;
+        small = alignUp(small + b.bytes, 64);
+      }
+      blocks.push_back(blockJson(b));
+    }
+    json full = headerBase;
+    full["blocks"] = std::move(blocks);
+    header = full.dump();
+    if (header.size() > buffer.headerReserve) return false;
+    header.resize(buffer.headerReserve, ' ');  // JSON allows the trailing spaces
+    return true;
+  }
+
+  // Every tensor that lies in a snapshot buffer moves to memory of its own (once; the next
+  // optimizer step then changes nothing the agent holds).
+  void moveOut(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer) {
+    if (!live) return;
+    at::NoGradGuard noGrad;
+    const auto kind = optimizerKind(optimizer);
+    for (const auto& flat : model->shardLayout().flats) {
+      at::Tensor shard = flat.shard;
+      if (inside(live, shard)) shard.set_(shard.clone());
+      if (auto state = readState(optimizer, kind, flat.shard)) {
+        for (auto& [name, t] : state->tensors) {
+          if (inside(live, t)) t.set_(t.clone());
+        }
+      }
+    }
+    live.reset();
+  }
+
+  // The optimizer step written into a free buffer laid out as the next snapshot: the shards and
+  // the optimizer state at fixed offsets after a region for the small blocks (RNG, the module's
+  // buffers) and a reserve for the header. False, with nothing changed, when the model or the
+  // optimizer does not allow it.
+  bool stepIntoBuffer(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer) {
+    std::string kind;
+    try {
+      kind = optimizerKind(optimizer);
+    } catch (const ConfigError&) {
+      return false;
+    }
+    if (kind != "adam" && kind != "adamw") return false;
+    const ShardLayout layout = model->shardLayout();
+    std::uint64_t small = 4096 + static_cast<std::uint64_t>(at::detail::getDefaultCPUGenerator().get_state().nbytes());
+    std::uint64_t headerReserve = 65536;
+    for (const auto& item : model->module()->named_buffers()) {
+      small = alignUp(small + item.value().nbytes(), 64);
+      headerReserve += 256 + item.key().size();
+    }
+    small = alignUp(small, 4096);
+    std::map<const void*, std::map<std::string, std::uint64_t>> offsets;  // by TensorImpl, then what
+    std::uint64_t cursor = small;
+    const auto slot = [&](const at::Tensor& owner, const std::string& what, const at::Tensor& t) {
+      offsets[owner.unsafeGetTensorImpl()][what] = cursor;
+      cursor = alignUp(cursor + t.nbytes(), 64);
+      headerReserve += 256;
+    };
+    for (const auto& flat : layout.flats) {
+      // A shard that shares its memory (one rank: the full parameter itself) stays where it is.
+      if (!flat.shard.device().is_cpu() || !flat.shard.is_contiguous() || flat.shard.storage().use_count() != 1) {
+        return false;
+      }
+      slot(flat.shard, "param", flat.shard);
+      if (const auto state = readState(optimizer, kind, flat.shard)) {
+        for (const auto& [name, t] : state->tensors) {
+          if (!t.is_contiguous() || t.numel() != flat.shard.numel()) return false;
+          slot(flat.shard, name, t);
+        }
+      }
+      headerReserve += 512;
+      for (const auto& p : flat.params) headerReserve += 128 + p.name.size() + 24 * p.shape.size();
+    }
+    for (const auto& group : optimizer.param_groups()) {
+      for (const auto& p : group.params()) {
+        if (!offsets.contains(p.unsafeGetTensorImpl())) return false;  // a parameter FSDP does not hold
+      }
+    }
+    headerReserve = alignUp(headerReserve, 4096);
+    const std::uint64_t dataOffset = snapshot::dataOffsetFor(headerReserve);
+    const auto buffer = bufferFor(dataOffset + cursor, -1);
+    buffer->headerReserve = headerReserve;
+    buffer->smallBytes = small;
+    const auto place = [&](const at::Tensor& p, const char* what) {
+      std::shared_ptr<Buffer> keep = buffer;  // the memory stays mapped while a tensor lies in it
+      return at::from_blob(buffer->map + dataOffset + offsets.at(p.unsafeGetTensorImpl()).at(what), p.sizes(),
+                           [keep](void*) mutable { keep.reset(); }, p.options().requires_grad(false));
+    };
+    if (!detail::stepInto(optimizer, place)) return false;
+    // What the step did not write (frozen shards, shards without a gradient this step, their
+    // state) is copied: the buffer holds the whole snapshot, and the last one is left alone.
+    at::NoGradGuard noGrad;
+    for (const auto& flat : layout.flats) {
+      at::Tensor shard = flat.shard;
+      if (!inside(buffer, shard)) shard.set_(place(shard, "param").copy_(shard));
+      if (auto state = readState(optimizer, kind, flat.shard)) {
+        for (auto& [name, t] : state->tensors) {
+          if (!inside(buffer, t)) t.set_(place(flat.shard, name.c_str()).copy_(t));
+        }
+      }
+    }
+    live = buffer;
+    return true;
   }
 
   // The background half of save(): write, seal, hand over, copy to the peer.
   void write(RankPlan plan, json meta, std::int64_t step) {
     const int rank = runtime.rank();
     const int world = runtime.worldSize();
-    std::uint64_t offset = 0;
-    json blocks = json::array();
-    for (auto& b : plan.blocks) {
-      b.offset = offset;
-      offset += b.bytes;
-      blocks.push_back(blockJson(b));
+    const json headerBase = {{"rank", rank}, {"world", world}, {"step", step}, {"round", runtime.env().round},
+                             {"meta", std::move(meta)}};
+    std::string header;
+    std::shared_ptr<Buffer> buffer;
+    if (live && layOutInPlace(*live, plan, headerBase, header)) {
+      buffer = live;
+    } else {
+      std::uint64_t offset = 0;
+      json blocks = json::array();
+      for (auto& b : plan.blocks) {
+        b.offset = offset;
+        offset += b.bytes;
+        blocks.push_back(blockJson(b));
+      }
+      json full = headerBase;
+      full["blocks"] = std::move(blocks);
+      header = full.dump();
+      buffer = bufferFor(snapshot::dataOffsetFor(header.size()) + offset, step);
     }
-    const std::string header =
-        json{{"rank", rank}, {"world", world}, {"step", step}, {"round", runtime.env().round}, {"meta", std::move(meta)},
-             {"blocks", blocks}}
-            .dump();
     const std::uint64_t dataOffset = snapshot::dataOffsetFor(header.size());
-    const std::uint64_t total = dataOffset + offset;
-    Buffer& buffer = bufferFor(total, step);
-    buffer.step = step;
-    snapshot::writePiecePrefix(buffer.map, header);
+    const std::uint64_t total = buffer->bytes;
+    buffer->step = step;
+    snapshot::writePiecePrefix(buffer->map, header);
     for (std::size_t i = 0; i < plan.blocks.size(); ++i) {
-      std::memcpy(buffer.map + dataOffset + plan.blocks[i].offset, plan.data[i].data_ptr(), plan.blocks[i].bytes);
+      char* to = buffer->map + dataOffset + plan.blocks[i].offset;
+      if (to != plan.data[i].data_ptr()) std::memcpy(to, plan.data[i].data_ptr(), plan.blocks[i].bytes);
     }
     plan.data.clear();  // the views of the live tensors go before the training thread goes on
-    const int piece = buffer.fd.get();
+    const int piece = buffer->fd.get();
     const json answer = ask({{"op", "put"}}, piece);
     if (!answer.value("ok", false)) {
       refused = true;
       buffers.clear();
+      buffer.reset();
       log::warn("rank {}: in-memory snapshots are off for this run: {}; disk checkpoints go on", rank,
                 answer.value("error", std::string("refused")));
       return;
@@ -160,7 +308,7 @@ struct Snapshotter::Impl {
     // What the keeper no longer holds is this process's to overwrite.
     const auto held = answer.value("held", std::vector<std::int64_t>{});
     for (auto& b : buffers) {
-      if (b.step != step && std::find(held.begin(), held.end(), b.step) == held.end()) b.step = -1;
+      if (b->step != step && std::find(held.begin(), held.end(), b->step) == held.end()) b->step = -1;
     }
     if (peerEndpoint.empty() || peerFailed) return;
     try {
@@ -251,6 +399,14 @@ const std::string& Snapshotter::restoredFrom() const { return impl_->restoredFro
 
 void Snapshotter::wait() {
   if (impl_->worker.joinable()) impl_->worker.join();
+}
+
+void Snapshotter::step(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer) {
+  auto& d = *impl_;
+  wait();
+  if (enabled() && d.stepIntoBuffer(model, optimizer)) return;
+  d.moveOut(model, optimizer);
+  optimizer.step();
 }
 
 void Snapshotter::save(FullyShardedDataParallel& model, torch::optim::Optimizer* optimizer,

@@ -9,13 +9,18 @@
 //   if (auto p = snapshots.restore(model, &optimizer)) step = p->step;  // else: disk, or start
 //   for (...) {
 //     ... forward, backward ...
-//     snapshots.wait();                              // the previous copy is done
-//     optimizer.step();
+//     snapshots.step(model, optimizer);              // instead of optimizer.step()
 //     snapshots.save(model, &optimizer, {.step = ++step, .position = next, .seed = seed});
 //   }
 //
-// The copy runs on a background thread while the next step computes: call wait() before
-// anything changes the parameters or the optimizer state (the next optimizer step, a load).
+// step() is the optimizer's step: with Adam or AdamW on CPU shards it writes the new
+// parameters and optimizer state straight into the memory of the next snapshot (the same
+// operations, so the same values), and save() then copies nothing but the RNG and the module's
+// buffers. Otherwise save() copies the shards and the state on a background thread while the
+// next step computes. Once step() is used, every optimizer step must go through it: the
+// parameters then live in memory the agent holds, which optimizer.step() would change in place.
+// Without step(): call wait() before anything changes the parameters or the optimizer state
+// (the next optimizer.step(), a load).
 // Active only under fsdprun with --max_restarts > 0 (its agent keeps snapshots); elsewhere
 // every call does nothing. A snapshot the agent cannot hold (--snapshot_memory_limit) turns
 // snapshots off for the run with one warning; training goes on.
@@ -24,6 +29,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -61,6 +67,10 @@ class Snapshotter {
   void save(FullyShardedDataParallel& model, torch::optim::Optimizer* optimizer, const TrainingProgress& progress);
   // Waits for the snapshot in flight (copied and held by the agent).
   void wait();
+  // wait(), then the optimizer's step, written into the next snapshot's memory when the
+  // optimizer is Adam or AdamW, the shards are on the CPU and snapshots are on (else
+  // optimizer.step()).
+  void step(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer);
 
   // Collective. Restores the newest step whose snapshot every rank can read (on this node, or
   // from the peer copy when a node was lost: then resharded to this world size). nullopt, with
@@ -74,6 +84,21 @@ class Snapshotter {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+namespace detail {
+
+// Where stepInto() writes `what` ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq") of
+// parameter `param`: an uninitialised tensor of the same size, dtype and device.
+using PlaceFn = std::function<at::Tensor(const at::Tensor& param, const char* what)>;
+
+// One step of an Adam or AdamW `optimizer` whose results go to new memory: every parameter with
+// a gradient and its state tensors are written into place() by the operations LibTorch's step()
+// performs, then set_() to that memory (every holder of them sees it). The same bits as
+// optimizer.step(). False, with nothing changed, for another optimizer or a parameter without
+// state yet (the first step creates it) or with a sparse or non-contiguous tensor.
+bool stepInto(torch::optim::Optimizer& optimizer, const PlaceFn& place);
+
+}  // namespace detail
 
 }  // namespace fsdp::worker
 
