@@ -98,6 +98,7 @@ struct Config {
   long long batch = 32;  // deep's global batch (the gpt config is fixed, below)
   std::string torchrun;  // path of torchrun_fixed
   bool peer = true;
+  bool standby = true;  // fsdprun --standby: spare workers wait in fsdp::init() for a restart
 };
 
 std::vector<std::string> environmentWith(const std::string& runId) {
@@ -152,8 +153,9 @@ Observed runOurs(const std::string& model, const Config& c, const Layout& layout
   const auto worker = trainer(model, c, launch.metricsFile, snapshotEvery);
   const std::string fsdprun = binDir() + "/fsdprun";
   const auto limit = std::chrono::seconds(120 + 4 * c.steps);
-  const std::vector<std::string> common = {"--max_restarts", std::to_string(kMaxRestarts),
-                                           "--rdzv_id", launch.runId};
+  std::vector<std::string> common = {"--max_restarts", std::to_string(kMaxRestarts), "--rdzv_id",
+                                     launch.runId};
+  if (c.standby) common.push_back("--standby");
   if (layout.agents == 1) {
     std::vector<std::string> argv = {fsdprun, "--standalone", "--nproc_per_node", "2"};
     argv.insert(argv.end(), common.begin(), common.end());
@@ -250,6 +252,11 @@ void recovery(const Args& args) {
   const auto checkpointEvery = args.ints("checkpoint_every", "10,50");
   c.torchrun = std::string(FSDP_SOURCE_DIR) + "/../shared/peer-torchrun/torchrun_fixed";
   c.peer = torchrunFlag == "1";
+  const auto standbyFlag = args.str("standby", "1");
+  if (standbyFlag != "0" && standbyFlag != "1") {
+    throw ConfigError("--standby '" + standbyFlag + "': expected 0 or 1");
+  }
+  c.standby = standbyFlag == "1";
 
   std::mt19937_64 rng(seed);
   // The kill step: one per model and rep, the same for every case and both systems, drawn past
@@ -301,7 +308,8 @@ void recovery(const Args& args) {
                      {"agents", k.layout.agents},
                      {"workers_per_agent", 2 / k.layout.agents},
                      {"kill", k.kill == Kill::kAgent ? "agent" : "worker"},
-                     {"snapshot_every", 1}});
+                     {"snapshot_every", 1},
+                     {"standby", c.standby}});
         const auto seen = attempt([&] { return runOurs(model, c, k.layout, k.kill, 1, at); });
         line = report(line, seen, at);
         if (std::string(k.name) == "worker") oursWorker = line;

@@ -262,7 +262,7 @@ Observed runJob(const Launch& launch, const RunDir& dir, Kill kill, KillAt at,
     if (killed || metrics.lastTrainStep() < at.afterStep) continue;
     std::this_thread::sleep_for(
         std::chrono::duration<double, std::milli>(at.fractionOfStep * metrics.medianStepMs()));
-    const auto target = findProcess({"TORCHELASTIC_RUN_ID=" + launch.runId, "RANK=1"}, roots);
+    const auto target = findProcess({"TORCHELASTIC_RUN_ID=" + launch.runId, "RANK=1", "TORCHELASTIC_RESTART_COUNT=0"}, roots);
     if (!target) {
       seen.error = "no process with RANK=1 of run " + launch.runId +
                    " under the launchers at step " + std::to_string(metrics.lastTrainStep());

@@ -124,25 +124,27 @@ std::string sample(fsdp::FullyShardedDataParallel& model, const Corpus& c, const
 
 int run(const Flags& f) {
   const Corpus corpus = tokenize(readCorpus(f.data));
-  auto rt = fsdp::init();
-  const int rank = rt->rank(), world = rt->worldSize();
   if (f.nEmbd % f.nHead != 0) {
     throw fsdp::ConfigError("--n_embd " + std::to_string(f.nEmbd) + " is not a multiple of --n_head " +
                             std::to_string(f.nHead));
   }
+  // The model before init(): nothing in it depends on the rank, and under fsdprun --standby a
+  // spare worker has built it by the time it is needed.
   torch::manual_seed(static_cast<std::uint64_t>(f.seed));
   const fsdp::examples::GptConfig config{.vocabSize = static_cast<std::int64_t>(corpus.alphabet.size()),
                                          .blockSize = f.blockSize,
                                          .nLayer = f.nLayer,
                                          .nHead = f.nHead,
                                          .nEmbd = f.nEmbd};
+  auto net = fsdp::examples::makeGpt(config);  // initialised on the CPU: the same on every device
+  auto rt = fsdp::init();
+  const int rank = rt->rank(), world = rt->worldSize();
   fsdp::FsdpOptions options{.strategy = fsdp::worker::parseShardingStrategy(f.sharding),
                             .autoWrap = fsdp::AutoWrapPolicy::byTypeName({"Block"}),
                             .mixedPrecision = fsdp::MixedPrecision::parse(f.mixedPrecision),
                             .syncModuleStates = true,
                             .activationCheckpointing = f.checkpointing};
   const auto groups = fsdp::examples::hybridGroupsFor(*rt, options);
-  auto net = fsdp::examples::makeGpt(config);  // initialised on the CPU: the same on every device
   net->to(rt->device());
   fsdp::FullyShardedDataParallel model(net, rt->comm(), options);
   std::int64_t numParams = 0;

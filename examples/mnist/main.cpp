@@ -74,9 +74,12 @@ int run(const Flags& flags) {
   const auto test = fsdp::examples::loadFashionMnist(flags.data, false);
   const fsdp::TensorDataset trainData(train.images, train.labels);
   const fsdp::TensorDataset testData(test.images, test.labels);
+  // The model too, before init(): nothing here depends on the rank, and under fsdprun --standby
+  // a spare worker has done it all by the time it is needed.
+  torch::manual_seed(static_cast<std::uint64_t>(flags.seed));
+  auto net = makeModel(flags);  // initialised on the CPU: the same weights on every device
   auto rt = fsdp::init();
 
-  torch::manual_seed(static_cast<std::uint64_t>(flags.seed));
   fsdp::FsdpOptions options{.strategy = fsdp::worker::parseShardingStrategy(flags.sharding),
                             .mixedPrecision = fsdp::MixedPrecision::parse(flags.mixedPrecision),
                             // Rank 0's initial weights everywhere (they agree by seed already;
@@ -84,7 +87,6 @@ int run(const Flags& flags) {
                             .syncModuleStates = true};
   if (flags.minParams > 0) options.autoWrap = fsdp::AutoWrapPolicy::minParams(flags.minParams);
   const auto groups = fsdp::examples::hybridGroupsFor(*rt, options);
-  auto net = makeModel(flags);  // initialised on the CPU: the same weights on every device
   net->to(rt->device());
   fsdp::FullyShardedDataParallel model(net, rt->comm(), options);
   torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(flags.lr));

@@ -1,12 +1,16 @@
 #include "fsdp/launcher/options.hpp"
 
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <string_view>
 #include <thread>
 
 #include "fsdp/common/error.hpp"
@@ -88,6 +92,10 @@ const Spec kSpecs[] = {
      "Memory this node may hold in in-memory snapshots of its workers and its peer's (512M, 4G; "
      "0 = no snapshots; default: a quarter of the RAM). Kept only with --max_restarts > 0",
      kLaunch},
+    {"standby", "--standby",
+     "Keep a spare of each worker waiting in fsdp::init() (libfsdp programs), so that a restart "
+     "skips the program's start-up. Needs --max_restarts > 0",
+     kLaunch, true},
     {"no_slurm", "--no_slurm,--no-slurm", "Ignore the SLURM_* environment", kLaunch, true},
     {"dry_run", "--dry_run,--dry-run",
      "Print the resolved configuration, with where each value came from, and exit", kLaunch, true},
@@ -284,6 +292,7 @@ ParseResult parseCommandLine(int argc, const char* const* argv, const EnvLookup&
   o.runPath = flags["run_path"];
   o.noSlurm = flags["no_slurm"];
   o.dryRun = flags["dry_run"];
+  o.standby = flags["standby"];
 
   // Under Slurm, what the user left out comes from the job (see applySlurm).
   std::optional<slurm::SlurmJob> job;
@@ -389,7 +398,31 @@ ParseResult parseCommandLine(int argc, const char* const* argv, const EnvLookup&
   if (o.noPython && o.module) {
     throw ConfigError("--no_python and --module: a module needs the Python interpreter");
   }
+  if (o.standby && o.maxRestarts == 0) {
+    throw ConfigError("--standby with --max_restarts 0: standby workers replace restarted ones; "
+                      "give --max_restarts N (N > 0)");
+  }
   return {o, "", 0};
+}
+
+// Whether `path` is a program built with libfsdp: linked statically, it holds the name of the
+// variable fsdp::init() waits on as a standby; dynamically, the library's name. Read, never run.
+bool usesLibfsdp(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  struct stat st {};
+  bool found = false;
+  if (::fstat(fd, &st) == 0 && st.st_size > 0) {
+    void* map = ::mmap(nullptr, static_cast<std::size_t>(st.st_size), PROT_READ, MAP_PRIVATE, fd, 0);
+    if (map != MAP_FAILED) {
+      const std::string_view text(static_cast<const char*>(map), static_cast<std::size_t>(st.st_size));
+      found = text.find("FSDPRUN_STANDBY_FD") != std::string_view::npos ||
+              text.find("libfsdp.so") != std::string_view::npos;
+      ::munmap(map, static_cast<std::size_t>(st.st_size));
+    }
+  }
+  ::close(fd);
+  return found;
 }
 
 std::vector<std::string> workerCommand(const LaunchOptions& options, const EnvLookup& env) {
@@ -397,6 +430,10 @@ std::vector<std::string> workerCommand(const LaunchOptions& options, const EnvLo
   const bool python =
       !options.noPython && (options.module || options.runPath || program.ends_with(".py"));
   std::vector<std::string> argv;
+  if (python && options.standby) {
+    throw ConfigError("--standby: PROGRAM '" + program + "' runs under Python; a standby worker waits in "
+                      "fsdp::init() of a libfsdp program (leave out --standby)");
+  }
   if (python) {
     const std::string exec = env("PYTHON_EXEC").value_or("python3");
     std::string why;
@@ -415,6 +452,10 @@ std::vector<std::string> workerCommand(const LaunchOptions& options, const EnvLo
   const auto resolved = findExecutable(program, &why);
   if (!resolved) {
     throw ConfigError("PROGRAM '" + program + "': " + why + " (expected an executable file)");
+  }
+  if (options.standby && !usesLibfsdp(*resolved)) {
+    throw ConfigError("--standby: PROGRAM '" + program + "' does not use libfsdp; a standby worker waits in "
+                      "fsdp::init(), which only a libfsdp program calls (leave out --standby)");
   }
   argv = options.command;
   argv.front() = *resolved;

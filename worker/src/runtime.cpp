@@ -1,10 +1,14 @@
 #include "fsdp/worker/runtime.hpp"
 
 #include <ATen/Context.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
+#include <cstdlib>
 #include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "fsdp/common/error.hpp"
 #include "fsdp/common/log.hpp"
@@ -139,7 +143,39 @@ Runtime::~Runtime() {
   cpuComm_.reset();
 }
 
+namespace {
+
+// fsdprun --standby: this process is a spare, started before it was needed. It waits here (the
+// program loaded, its pre-init work done) for the round it joins: one JSON line on the pipe
+// FSDPRUN_STANDBY_FD names, {"env": {KEY: VALUE}} with what differs from the environment it was
+// started with. End of file: it was not needed, and leaves quietly.
+void awaitActivation() {
+  const char* text = std::getenv("FSDPRUN_STANDBY_FD");
+  if (text == nullptr) return;
+  const int fd = std::atoi(text);
+  ::unsetenv("FSDPRUN_STANDBY_FD");
+  std::string line;
+  char c = 0;
+  for (;;) {
+    const ssize_t n = ::read(fd, &c, 1);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0 || c == '\n') break;
+    line += c;
+  }
+  ::close(fd);
+  const auto message = nlohmann::json::parse(line, nullptr, false);
+  if (line.empty() || message.is_discarded() || !message.contains("env") || !message["env"].is_object()) {
+    std::_Exit(0);
+  }
+  for (const auto& [key, value] : message["env"].items()) {
+    if (value.is_string()) ::setenv(key.c_str(), value.get<std::string>().c_str(), 1);
+  }
+}
+
+}  // namespace
+
 std::unique_ptr<Runtime> init(const InitOptions& options) {
+  awaitActivation();
   WorkerEnv env = WorkerEnv::fromEnvironment(processEnv());
   log::setup({.role = "worker", .rank = env.rank, .defaultLevel = spdlog::level::warn});
   std::string token;

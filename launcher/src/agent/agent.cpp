@@ -33,6 +33,9 @@
 namespace fsdp::launcher {
 namespace {
 
+// How long after a round's workers start its standbys do (--standby).
+constexpr std::chrono::seconds kStandbyDelay{3};
+
 using namespace std::chrono_literals;
 using detail::readToken;
 using detail::ScratchDir;
@@ -73,6 +76,8 @@ class Agent {
   // Joins the next round; an assignment, or the job's end for this node.
   std::variant<Assignment, AgentResult> joinRound();
   std::optional<AgentResult> runRound(const Assignment& a);
+  // Starts the spares of this node's workers for the restart after round `a` (--standby).
+  void startStandby(const Assignment& a, const std::string& runDir, const detail::OutputOptions& output);
   std::vector<detail::WorkerSpec> workerSpecs(const Assignment& a, const std::string& attemptDir);
   // Polls the signalfd, the rendezvous connection and `extra` until something is ready or
   // `until`; heartbeats on the way.
@@ -101,6 +106,9 @@ class Agent {
   // Holds this node's in-memory snapshots across worker restarts (with --max_restarts > 0).
   std::unique_ptr<SnapshotKeeper> keeper_;
   void startSnapshotKeeper();
+  // --standby: the workers of the next restart, waiting in fsdp::init() (after guardian_, so
+  // that they are stopped before it goes).
+  std::unique_ptr<detail::WorkerGroup> standby_;
   std::string address_;  // this node's address for the others
   std::string node_;
   int masterPort_ = 0;   // the MASTER_PORT this node offers, should it be node 0
@@ -110,6 +118,7 @@ class Agent {
 };
 
 AgentResult Agent::ended(int exitCode, std::string message, const std::string& failureJson) {
+  standby_.reset();
   AgentResult result{.exitCode = exitCode, .message = std::move(message), .restarts = restarts_};
   if (!failureJson.empty()) {
     try {
@@ -343,6 +352,20 @@ std::variant<Assignment, AgentResult> Agent::joinRound() {
   }
 }
 
+void Agent::startStandby(const Assignment& a, const std::string& runDir, const detail::OutputOptions& output) {
+  // As the restart after this round would be if the group restarts as it is: the same ranks,
+  // the next restart count (the round and the store are handed over when it comes).
+  Assignment next = a;
+  next.restartCount = a.restartCount + 1;
+  const std::string attemptDir = runDir + "/attempt_" + std::to_string(next.restartCount);
+  try {
+    standby_ = std::make_unique<detail::WorkerGroup>(workerSpecs(next, attemptDir), output, attemptDir, guardian_,
+                                                     /*standby=*/true);
+  } catch (const Error& e) {
+    log::warn("--standby: cannot start the standby workers ({}); a restart starts new ones", e.what());
+  }
+}
+
 std::vector<detail::WorkerSpec> Agent::workerSpecs(const Assignment& a, const std::string& attemptDir) {
   std::vector<detail::WorkerSpec> specs;
   for (int local = 0; local < options_.nprocPerNode; ++local) {
@@ -387,11 +410,27 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
   const std::string attemptDir = runDir + "/attempt_" + std::to_string(a.restartCount);
   log::info("round {}: node rank {} of {}, ranks {}-{} of {}", a.round, a.nodeRank, a.nnodes,
              a.rankOffset, a.rankOffset + options_.nprocPerNode - 1, a.worldSize);
-  detail::WorkerGroup group(workerSpecs(a, attemptDir),
-                            {.redirects = options_.redirects,
-                             .tee = options_.tee,
-                             .localRanksFilter = options_.localRanksFilter},
-                            attemptDir, guardian_);
+  const detail::OutputOptions output{.redirects = options_.redirects,
+                                     .tee = options_.tee,
+                                     .localRanksFilter = options_.localRanksFilter};
+  auto specs = workerSpecs(a, attemptDir);
+  std::unique_ptr<detail::WorkerGroup> standing;
+  if (standby_) {
+    std::string why;
+    if (standby_->activate(specs, why)) {
+      standing = std::move(standby_);
+      log::info("round {}: the standby workers take over", a.round);
+    } else {
+      log::info("round {}: the standby workers do not fit it ({}): starting new ones", a.round, why);
+    }
+    standby_.reset();
+  }
+  if (!standing) standing = std::make_unique<detail::WorkerGroup>(std::move(specs), output, attemptDir, guardian_);
+  detail::WorkerGroup& group = *standing;
+  // The spares for the next restart start once this round's workers are past their own start-up
+  // (they would compete with it for the CPUs).
+  auto standbyAt = options_.standby && a.restartCount < options_.maxRestarts ? Clock::now() + kStandbyDelay
+                                                                              : Clock::time_point::max();
 
   enum class State { kRunning, kSucceeded, kStopping } state = State::kRunning;
   std::optional<Verdict> verdict;
@@ -400,6 +439,7 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
   // Signals the workers once; the shutdown timeout starts with the first stop.
   const auto stopGroup = [&](int sig) {
     group.signalAll(sig);
+    if (sig != SIGTERM || stopSignal) standby_.reset();  // a stop of the job: no restart to wait for
     if (state == State::kStopping) return;
     state = State::kStopping;
     killAt = Clock::now() + options_.shutdownTimeout;
@@ -408,8 +448,12 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
   for (;;) {
     std::vector<pollfd> fds;
     group.addPollFds(fds);
-    waitForActivity(fds, killAt);
+    waitForActivity(fds, std::min(killAt, standbyAt));
     group.pump(fds);
+    if (Clock::now() >= standbyAt) {
+      standbyAt = Clock::time_point::max();
+      if (state == State::kRunning) startStandby(a, runDir, output);
+    }
 
     for (int sig : signals_.take()) {
       if (sig == SIGCHLD) continue;

@@ -33,6 +33,7 @@ std::string describeConfiguration(const LaunchOptions& o, const std::vector<std:
   line("node_rank", o.nodeRank ? std::to_string(*o.nodeRank) : "assigned by the rendezvous");
   line("rdzv_id", o.rdzvId);
   line("max_restarts", std::to_string(o.maxRestarts));
+  line("standby", o.standby ? "a spare of each worker waits in fsdp::init() for the next restart" : "off");
   line("role", o.role);
   if (!o.localAddr.empty()) line("local_addr", o.localAddr);
   if (!o.logDir.empty()) line("log_dir", o.logDir);

@@ -9,6 +9,7 @@
 #include <array>
 #include <cerrno>
 #include <filesystem>
+#include <map>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -68,7 +69,7 @@ std::optional<std::string> readErrorFile(const std::string& path) {
 }
 
 WorkerGroup::WorkerGroup(std::vector<WorkerSpec> specs, const OutputOptions& output,
-                         std::string attemptDir, Guardian& guardian)
+                         std::string attemptDir, Guardian& guardian, bool standby)
     : output_(output), attemptDir_(std::move(attemptDir)), guardian_(guardian) {
   workers_.reserve(specs.size());
   for (auto& spec : specs) {
@@ -84,13 +85,25 @@ WorkerGroup::WorkerGroup(std::vector<WorkerSpec> specs, const OutputOptions& out
     setUpStream(w, w.err, kStderr, spawn);
     w.started = Deadline::Clock::now();
     // The child's ends of the pipes are in spawn.stdoutFd/stderrFd; close ours after exec.
+    int standbyEnd = -1;
     struct CloseChildEnds {
       SpawnOptions& s;
+      int& standby;
       ~CloseChildEnds() {
         if (s.stdoutFd) ::close(*s.stdoutFd);
         if (s.stderrFd) ::close(*s.stderrFd);
+        if (standby >= 0) ::close(standby);
       }
-    } closer{spawn};
+    } closer{spawn, standbyEnd};
+    if (standby) {
+      std::array<int, 2> fds{};
+      if (::pipe2(fds.data(), O_CLOEXEC) != 0) throwErrno("pipe2 for a standby worker", errno);
+      standbyEnd = fds[0];
+      w.activation = fds[1];
+      // The read end alone crosses exec (this thread is the only one that spawns).
+      ::fcntl(standbyEnd, F_SETFD, 0);
+      spawn.env.push_back("FSDPRUN_STANDBY_FD=" + std::to_string(standbyEnd));
+    }
     w.process = ChildProcess::spawn(spawn);
     guardian_.watch(w.process->pid());
   }
@@ -98,6 +111,7 @@ WorkerGroup::WorkerGroup(std::vector<WorkerSpec> specs, const OutputOptions& out
 
 WorkerGroup::~WorkerGroup() {
   for (auto& w : workers_) {
+    if (w.activation >= 0) ::close(w.activation);
     for (Stream* s : {&w.out, &w.err}) {
       if (s->fd >= 0) ::close(s->fd);
       if (s->fileFd >= 0) ::close(s->fileFd);
@@ -274,6 +288,66 @@ std::string WorkerGroup::stderrTail(int localRank) const {
     return out;
   }
   return {};
+}
+
+bool WorkerGroup::activate(const std::vector<WorkerSpec>& specs, std::string& why) {
+  // What makes a worker who it is: a standby started as another is of no use.
+  static const char* const kIdentity[] = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                                          "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE",
+                                          "ROLE_NAME", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE"};
+  const auto asMap = [](const std::vector<std::string>& env) {
+    std::map<std::string, std::string> m;
+    for (const auto& e : env) {
+      const auto eq = e.find('=');
+      m[e.substr(0, eq)] = eq == std::string::npos ? "" : e.substr(eq + 1);
+    }
+    return m;
+  };
+  if (specs.size() != workers_.size()) {
+    why = std::to_string(specs.size()) + " workers now, " + std::to_string(workers_.size()) + " standbys";
+    return false;
+  }
+  std::vector<std::string> messages;
+  for (std::size_t i = 0; i < workers_.size(); ++i) {
+    auto& w = workers_[i];
+    if (w.activation < 0 || !w.process || w.process->reaped() || w.process->tryWait()) {
+      why = "the standby of local rank " + std::to_string(w.spec.localRank) + " has exited";
+      if (w.process && w.process->reaped()) w.reported = true;
+      return false;
+    }
+    if (specs[i].argv != w.spec.argv || specs[i].localRank != w.spec.localRank) {
+      why = "local rank " + std::to_string(specs[i].localRank) + " runs another command";
+      return false;
+    }
+    const auto was = asMap(w.spec.env);
+    const auto now = asMap(specs[i].env);
+    for (const char* key : kIdentity) {
+      const auto a = was.find(key);
+      const auto b = now.find(key);
+      if ((a == was.end()) != (b == now.end()) || (a != was.end() && a->second != b->second)) {
+        why = std::string(key) + " of local rank " + std::to_string(specs[i].localRank) + " is now " +
+              (b == now.end() ? "unset" : b->second) + ", not " + (a == was.end() ? "unset" : a->second);
+        return false;
+      }
+    }
+    nlohmann::json env = nlohmann::json::object();
+    for (const auto& [key, value] : now) {
+      const auto a = was.find(key);
+      if (a == was.end() || a->second != value) env[key] = value;
+    }
+    messages.push_back(nlohmann::json{{"env", env}}.dump() + "\n");
+  }
+  for (std::size_t i = 0; i < workers_.size(); ++i) {
+    auto& w = workers_[i];
+    // A message this small goes into an empty pipe whole; a standby that died in between
+    // reads nothing, and its exit is reaped as a worker's.
+    writeAll(w.activation, messages[i].data(), messages[i].size());
+    ::close(w.activation);
+    w.activation = -1;
+    w.spec = specs[i];
+    w.started = Deadline::Clock::now();
+  }
+  return true;
 }
 
 }  // namespace fsdp::launcher::detail

@@ -48,8 +48,12 @@ class WorkerGroup {
   // local rank's files live in attemptDir/<local_rank>/ ({stdout,stderr}.log when redirected
   // or tee'd, error.json for TORCHELASTIC_ERROR_FILE, which the specs' environments must
   // already name). Throws ConfigError/Error from spawn.
+  //
+  // `standby`: the workers are spares for a later round. Each gets FSDPRUN_STANDBY_FD, a pipe on
+  // which fsdp::init() waits (the program has loaded, read its data, whatever it does before
+  // init()); activate() hands them their round. Their output stays in its pipes until then.
   WorkerGroup(std::vector<WorkerSpec> specs, const OutputOptions& output, std::string attemptDir,
-              Guardian& guardian);
+              Guardian& guardian, bool standby = false);
   ~WorkerGroup();
   WorkerGroup(const WorkerGroup&) = delete;
   WorkerGroup& operator=(const WorkerGroup&) = delete;
@@ -72,6 +76,13 @@ class WorkerGroup {
   std::optional<std::string> errorMessage(int localRank) const;
   std::string stderrTail(int localRank) const;
 
+  // A standby group becomes the workers of `specs`: each worker's identity (rank, world, node,
+  // restart count, program and arguments) must be what it was started with; the rest of the
+  // environment (the round, the store, MASTER_PORT) goes to fsdp::init() over its pipe. False,
+  // with `why` and nothing sent, when a worker has exited or an identity differs: the caller
+  // starts fresh workers instead (destroying this group stops the standbys).
+  bool activate(const std::vector<WorkerSpec>& specs, std::string& why);
+
  private:
   struct Stream {
     int fd = -1;           // read end of the pipe; -1 when not piped or closed
@@ -90,6 +101,7 @@ class WorkerGroup {
     std::deque<std::string> tail;  // last stderr lines
     std::string partial;           // stderr bytes after the last newline
     bool reported = false;
+    int activation = -1;           // a standby's pipe (write end) until activate()
   };
   void setUpStream(Worker& w, Stream& s, int bit, SpawnOptions& spawn);
   void readStream(Worker& w, Stream& s);

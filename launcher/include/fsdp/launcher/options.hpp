@@ -47,6 +47,9 @@ struct LaunchOptions {
   std::chrono::milliseconds shutdownTimeout{30000};
   // Bytes of in-memory snapshots this node's agent may hold (0: none kept).
   std::uint64_t snapshotMemoryLimit = std::uint64_t{1} << 30;
+  // Spare workers started ahead of a restart: each waits in fsdp::init() (program loaded, its
+  // pre-init work done) and becomes the restarted worker when the group restarts as it was.
+  bool standby = false;
   bool dryRun = false;
   bool noSlurm = false;
   std::vector<std::string> command;  // PROGRAM ARGS... as given
@@ -79,6 +82,9 @@ int countGpus(const EnvLookup& env);
 // The full command line for a worker: PROGRAM resolved and checked (exists, executable),
 // `python3 -u` in front of a .py program, a module or --run_path unless --no_python.
 std::vector<std::string> workerCommand(const LaunchOptions& options, const EnvLookup& env);
+
+// Whether the executable at `path` is built with libfsdp (read, never run): --standby needs it.
+bool usesLibfsdp(const std::string& path);
 
 // The stop signals fsdprun handles by default, and the forward-only ones.
 std::vector<int> defaultSignalsToHandle();
