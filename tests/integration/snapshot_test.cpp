@@ -8,12 +8,14 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
 #include <thread>
 
 #include "fsdp/common/process.hpp"
+#include "fsdp/launcher/options.hpp"
 #include "processes.hpp"
 #include "rdzv_daemon.hpp"
 #include "run_command.hpp"
@@ -126,6 +128,32 @@ TEST_F(Snapshots, AWorkerKilledAtARandomStepRedoesAtMostOneStepAndEndsBitIdentic
   expectNothingLeft(tag, runId);
 }
 
+// With snapshots, an asynchronous disk checkpoint is written from the snapshot's memory while
+// training goes on (no copy): the checkpoint of step 10, written while steps 11-20 ran, must
+// resume (without snapshots) to the uninterrupted run's parameters, bit for bit.
+TEST_F(Snapshots, AnAsynchronousCheckpointWrittenFromTheSnapshotHoldsItsStepWhileTrainingGoesOn) {
+  TempDir dir;
+  const std::string ckpt = dir.path() + "/ckpt";
+  const std::string runId = uniqueRunId("frozen");
+  const std::string tag = "FSDP_SNAPSHOT_TAG=" + runId;
+  auto first = mnist({"--checkpoint_dir", ckpt, "--checkpoint_every", "10", "--async_checkpoint",
+                      "--keep_checkpoints", "0"},
+                     20);
+  first.insert(first.begin(), {kBin + "/fsdprun", "--nproc_per_node", "2", "--max_restarts", "1", "--rdzv_id", runId});
+  const auto r = runCommand(first, 300s, {tag});
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  ASSERT_TRUE(fs::exists(ckpt + "/step_00000010")) << r.err;
+  fs::remove_all(ckpt + "/step_00000020");
+  auto second = mnist({"--checkpoint_dir", ckpt, "--snapshot_every", "0"});
+  second.insert(second.begin(), {kBin + "/fsdprun", "--nproc_per_node", "2"});
+  const auto resumed = runCommand(second, 300s);
+  ASSERT_EQ(resumed.exitCode, 0) << resumed.err;
+  const auto summary = summaryOf(resumed.out);
+  EXPECT_EQ(summary.value("resumed_from_step", -1), 10) << resumed.out;
+  EXPECT_EQ(summary.value("params_sha256", ""), reference_["params_sha256"].get<std::string>());
+  expectNothingLeft(tag, runId);
+}
+
 // NO_SHARD: every rank holds every element, only rank 0 is their primary replica on disk; each
 // rank's snapshot still restores it.
 TEST_F(Snapshots, UnderNoShardAKilledWorkerResumesFromMemoryBitIdentical) {
@@ -172,24 +200,35 @@ TEST(SnapshotUsage, AMalformedMemoryLimitIsAUsageError) {
   EXPECT_NE(r.err.find("--snapshot_memory_limit 'lots'"), std::string::npos) << r.err;
 }
 
-// The public API without the Trainer: the restored state is the one the step ended with.
+// The public API without the Trainer: the restored state is the one the step ended with, with
+// the optimizer stepping through snapshots.step() (no copy; the state it leaves is frozen while
+// training goes on) and through optimizer.step() (the snapshot copies).
 TEST(SnapshotApi, ARestartRestoresTheStateOfTheNewestCommonStep) {
-  TempDir dir;
-  const std::string runId = uniqueRunId("api");
-  const std::string tag = "FSDP_SNAPSHOT_TAG=" + runId;
-  const auto r = runCommand({kBin + "/fsdprun", "--nproc_per_node", "2", "--max_restarts", "1", "--rdzv_id", runId,
-                             kBin + "/snapshot_worker", dir.path(), "12", "7"},
-                            120s, {tag, "TMPDIR=" + dir.path()});
-  ASSERT_EQ(r.exitCode, 0) << r.err;
-  const auto summary = summaryOf(r.out);
-  ASSERT_TRUE(summary.is_object()) << r.out << r.err;
-  ASSERT_TRUE(summary["restored"].is_number()) << r.out << r.err;
-  EXPECT_GE(summary["restored"].get<int>(), 6);
-  EXPECT_LE(summary["restored"].get<int>(), 7);
-  EXPECT_TRUE(summary.value("matches", false)) << "the restored shards or optimizer state differ from step "
-                                               << summary["restored"];
-  EXPECT_EQ(summary.value("steps", 0), 12);
-  expectNothingLeft(tag, runId);
+  for (const bool copy : {false, true}) {
+    SCOPED_TRACE(copy ? "optimizer.step() and a copy" : "snapshots.step()");
+    TempDir dir;
+    const std::string runId = uniqueRunId("api");
+    const std::string tag = "FSDP_SNAPSHOT_TAG=" + runId;
+    std::vector<std::string> argv = {kBin + "/fsdprun", "--nproc_per_node", "2", "--max_restarts", "1", "--rdzv_id",
+                                     runId, kBin + "/snapshot_worker", dir.path(), "12", "7"};
+    if (copy) argv.push_back("--copy");
+    const auto r = runCommand(argv, 120s, {tag, "TMPDIR=" + dir.path()});
+    ASSERT_EQ(r.exitCode, 0) << r.err;
+    const auto summary = summaryOf(r.out);
+    ASSERT_TRUE(summary.is_object()) << r.out << r.err;
+    ASSERT_TRUE(summary["restored"].is_number()) << r.out << r.err;
+    EXPECT_GE(summary["restored"].get<int>(), 6);
+    EXPECT_LE(summary["restored"].get<int>(), 7);
+    EXPECT_TRUE(summary.value("matches", false)) << "the restored shards or optimizer state differ from step "
+                                                 << summary["restored"];
+    EXPECT_EQ(summary.value("steps", 0), 12);
+    if (copy) {
+      EXPECT_TRUE(summary["frozen_held"].is_null()) << r.out;
+    } else {
+      EXPECT_EQ(summary["frozen_held"], true) << "the state frozen() vouched for changed afterwards: " << r.out;
+    }
+    expectNothingLeft(tag, runId);
+  }
 }
 
 TEST(SnapshotApi, ASnapshotOfAnotherModelIsRefusedWithOneLineAndNothingIsRestored) {
@@ -330,3 +369,61 @@ TEST_F(Snapshots, AKilledNodeIsRestoredFromItsPeerCopyAsAOneNodeRunResumedThere)
 }
 
 }  // namespace
+
+namespace {
+
+// The JSON lines standby_worker printed, by (restart, rank).
+std::map<std::pair<int, int>, json> standbyLines(const std::string& out) {
+  std::map<std::pair<int, int>, json> lines;
+  std::istringstream in(out);
+  for (std::string line; std::getline(in, line);) {
+    const auto brace = line.find("{\"rank\"");
+    if (brace == std::string::npos) continue;
+    const auto j = json::parse(line.substr(brace), nullptr, false);
+    if (j.is_object()) lines[{j["restart"].get<int>(), j["rank"].get<int>()}] = j;
+  }
+  return lines;
+}
+
+}  // namespace
+
+// --standby: the spares started while the job runs are the workers of the restart (their pids,
+// started before the failure, are the restarted ranks'), and the spares of a restart that never
+// comes go with the job.
+TEST(Standby, TheSparesStartedAheadBecomeTheRestartedWorkersAndUnusedOnesGoWithTheJob) {
+  const std::string runId = uniqueRunId("standby");
+  const std::string tag = "FSDP_TEST_STANDBY=" + runId;
+  const auto r = runCommand({kBin + "/fsdprun", "--standby", "--nproc_per_node", "2", "--max_restarts", "2",
+                             "--rdzv_id", runId, kBin + "/standby_worker"},
+                            180s, {tag});
+  ASSERT_EQ(r.exitCode, 0) << r.out << r.err;
+  const auto lines = standbyLines(r.out);
+  ASSERT_TRUE(lines.contains({0, 1}) && lines.contains({1, 0}) && lines.contains({1, 1})) << r.out << r.err;
+  EXPECT_FALSE(lines.at({0, 1})["standby"].get<bool>());
+  // Restart 1's rank 1 is the very process rank 1 saw waiting before it died.
+  EXPECT_EQ(lines.at({1, 1})["pid"], lines.at({0, 1})["next_standby"]) << r.out;
+  EXPECT_TRUE(lines.at({1, 1})["standby"].get<bool>());
+  EXPECT_TRUE(lines.at({1, 0})["standby"].get<bool>());
+  // Restart 1 saw the spares of restart 2 up; the job ended without using them.
+  const int unused = lines.at({1, 1})["next_standby"].get<int>();
+  ASSERT_GT(unused, 0);
+  EXPECT_TRUE(fsdp::testing::processGone(unused, 10s)) << "the unused standby " << unused << " outlived the job";
+  expectNothingLeft(tag, runId);
+}
+
+TEST(Standby, ProgramsThatCannotWaitInInitAreUsageErrorsNamingTheFlag) {
+  const auto noRestarts = runCommand({kBin + "/fsdprun", "--standby", kBin + "/standby_worker"}, 30s);
+  EXPECT_EQ(noRestarts.exitCode, 2);
+  EXPECT_NE(noRestarts.err.find("--standby with --max_restarts 0"), std::string::npos) << noRestarts.err;
+  const auto notOurs = runCommand({kBin + "/fsdprun", "--standby", "--max_restarts", "1", "/bin/true"}, 30s);
+  EXPECT_EQ(notOurs.exitCode, 2);
+  EXPECT_NE(notOurs.err.find("'/bin/true' does not use libfsdp"), std::string::npos) << notOurs.err;
+  TempDir dir;
+  std::ofstream(dir.path() + "/train.py") << "print('hello')\n";
+  const auto python =
+      runCommand({kBin + "/fsdprun", "--standby", "--max_restarts", "1", dir.path() + "/train.py"}, 30s);
+  EXPECT_EQ(python.exitCode, 2);
+  EXPECT_NE(python.err.find("runs under Python"), std::string::npos) << python.err;
+  EXPECT_TRUE(fsdp::launcher::usesLibfsdp(kBin + "/mnist"));
+  EXPECT_FALSE(fsdp::launcher::usesLibfsdp("/bin/true"));
+}

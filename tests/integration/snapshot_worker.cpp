@@ -1,12 +1,15 @@
 // A training program that uses fsdp::Snapshotter directly (no Trainer), run under fsdprun by
 // snapshot_test.cpp:
-//   snapshot_worker OUT_DIR STEPS KILL_STEP [--other_model]
+//   snapshot_worker OUT_DIR STEPS KILL_STEP [--other_model] [--copy]
 // First attempt: trains STEPS steps (a snapshot after each); rank 1 SIGKILLs itself after
 // KILL_STEP. Every rank writes the hash of its parameter shard and optimizer state after each
 // step to OUT_DIR/hash_<rank>_<step>. A restarted attempt restores, checks the restored state
 // against the hash written for that step, trains to the end, and rank 0 prints one JSON line:
 // {"restored": step | null, "matches": bool, "steps": n}. With --other_model the restart builds
-// a model of other shapes: the snapshot must be refused (nothing restored).
+// a model of other shapes: the snapshot must be refused (nothing restored). The optimizer steps
+// through snapshots.step() (no copy), or with --copy through optimizer.step() after wait() (the
+// snapshot copies). Without --copy, after step 3 the state must be frozen(): views of it kept to
+// the end still hold step 3's values ("frozen_held" in the JSON line; null with --copy).
 #include <ATen/Functions.h>
 #include <signal.h>
 #include <torch/nn/modules/activation.h>
@@ -19,6 +22,7 @@
 #include <cstdio>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include "fsdp/common/sha256.hpp"
 #include "fsdp/worker/runtime.hpp"
@@ -51,7 +55,11 @@ int main(int argc, char** argv) {
   const std::string out = argv[1];
   const int steps = std::stoi(argv[2]);
   const int killStep = std::stoi(argv[3]);
-  const bool otherModel = argc > 4 && std::string(argv[4]) == "--other_model";
+  bool otherModel = false, copy = false;
+  for (int i = 4; i < argc; ++i) {
+    otherModel = otherModel || std::string(argv[i]) == "--other_model";
+    copy = copy || std::string(argv[i]) == "--copy";
+  }
   auto rt = fsdp::init();
   const bool restarted = rt->env().restartCount > 0;
   torch::manual_seed(7);
@@ -73,14 +81,33 @@ int main(int argc, char** argv) {
     matches = expected == stateHash(model, optimizer);
   }
   torch::manual_seed(100 + rt->rank() + step);
+  const std::int64_t checkStep = step + 2;  // this attempt's second step
+  bool frozenAtCheck = false;
+  std::vector<at::Tensor> held, values;  // at checkStep: the state's memory, and its values then
   for (; step < steps;) {
     const auto x = at::randn({16, 32});
     optimizer.zero_grad();
     model->forward(x).pow(2).mean().backward();
-    snapshots.wait();
-    optimizer.step();
+    if (copy) {
+      snapshots.wait();
+      optimizer.step();
+    } else {
+      snapshots.step(model, optimizer);
+    }
     ++step;
     snapshots.save(model, &optimizer, {.step = step});
+    if (step == checkStep) {
+      frozenAtCheck = snapshots.frozen(model, optimizer);
+      for (const auto& p : model->parameters()) held.push_back(p.detach());
+      for (const auto& [key, state] : optimizer.state()) {
+        const auto& adam = static_cast<const torch::optim::AdamParamState&>(*state);
+        // Views, as a checkpoint plan holds them (the state's own tensors move to the next
+        // step's memory).
+        held.push_back(adam.exp_avg().detach());
+        held.push_back(adam.exp_avg_sq().detach());
+      }
+      for (const auto& t : held) values.push_back(t.clone());
+    }
     std::ofstream(out + "/hash_" + std::to_string(rt->rank()) + "_" + std::to_string(step)) << stateHash(model, optimizer)
                                                                                            << "\n";
     if (!restarted && rt->rank() == 1 && step == killStep) {
@@ -89,10 +116,14 @@ int main(int argc, char** argv) {
     }
   }
   snapshots.wait();
+  // What a checkpoint writer reading the frozen state of checkStep would still see now.
+  bool frozenHeld = frozenAtCheck && !held.empty();
+  for (std::size_t i = 0; i < held.size(); ++i) frozenHeld = frozenHeld && at::equal(held[i], values[i]);
   if (rt->rank() == 0) {
-    std::printf("{\"restored\": %s, \"matches\": %s, \"steps\": %lld}\n",
+    std::printf("{\"restored\": %s, \"matches\": %s, \"steps\": %lld, \"frozen_held\": %s}\n",
                 restored ? std::to_string(*restored).c_str() : "null", matches ? "true" : "false",
-                static_cast<long long>(step));
+                static_cast<long long>(step), copy ? (frozenAtCheck ? "\"frozen under --copy\"" : "null")
+                                                   : frozenHeld ? "true" : "false");
   }
   return 0;
 }

@@ -303,9 +303,11 @@ FitResult Trainer::fit(const Dataset& train, const Dataset* eval) {
       result.resumedSource == "disk" ? result.resumedFrom : std::optional<std::int64_t>();
   const auto checkpoint = [&](const SamplerPosition& next) {
     if (!d.checkpointer || lastSaved == step) return;
+    // Written from the snapshot's memory when the state lies there: no copy on this thread.
     d.checkpointer->save(d.model, &d.optimizer,
                          {.step = step, .position = next, .seed = o.seed,
-                          .extraJson = json{{"epochs", o.epochs}, {"global_batch", o.globalBatch}}.dump()});
+                          .extraJson = json{{"epochs", o.epochs}, {"global_batch", o.globalBatch}}.dump()},
+                         /*frozen=*/d.snapshots && d.snapshots->frozen(d.model, d.optimizer));
     lastSaved = step;
   };
   const auto evaluateEpoch = [&](int epoch) {

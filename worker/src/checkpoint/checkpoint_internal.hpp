@@ -261,6 +261,8 @@ struct RankPlan {
 };
 
 void addBlock(RankPlan& plan, Block b, at::Tensor data, bool copy);
+// The module's buffers ("buffer/<name>" blocks). (save.cpp)
+void addBuffers(RankPlan& plan, FullyShardedDataParallel& model, bool copy);
 
 // What one rank saves of its training state: its plan (shards, optimizer state, RNG, and the
 // module's buffers when `buffers`) and, when `withMeta`, the metadata that does not depend on

@@ -44,6 +44,14 @@ void Checkpointer::wait() {
 
 namespace detail {
 
+void addBuffers(RankPlan& plan, FullyShardedDataParallel& model, bool copy) {
+  for (const auto& item : model->module()->named_buffers()) {
+    Block b{.what = "buffer/" + item.key()};
+    b.shape = item.value().sizes().vec();
+    addBlock(plan, b, item.value().detach(), copy);
+  }
+}
+
 RankState describeRank(FullyShardedDataParallel& model, torch::optim::Optimizer* optimizer,
                        const TrainingProgress& progress, int rank, int world, bool copy, bool buffers,
                        bool withMeta, bool everyReplica) {
@@ -81,13 +89,7 @@ RankState describeRank(FullyShardedDataParallel& model, torch::optim::Optimizer*
   }
   // The generator's state is a new tensor already: never a view of something that changes.
   addBlock(plan, {.what = "rng/cpu"}, at::detail::getDefaultCPUGenerator().get_state(), false);
-  if (buffers) {
-    for (const auto& item : model->module()->named_buffers()) {
-      Block b{.what = "buffer/" + item.key()};
-      b.shape = item.value().sizes().vec();
-      addBlock(plan, b, item.value().detach(), copy);
-    }
-  }
+  if (buffers) addBuffers(plan, model, copy);
   if (!withMeta) return out;
 
   json flats = json::array();
@@ -130,12 +132,15 @@ RankState describeRank(FullyShardedDataParallel& model, torch::optim::Optimizer*
 }  // namespace detail
 
 void Checkpointer::save(FullyShardedDataParallel& model, torch::optim::Optimizer* optimizer,
-                        const TrainingProgress& progress) {
+                        const TrainingProgress& progress, bool frozen) {
   wait();  // one save at a time, and their errors surface here
   const int rank = runtime_.rank();
   const int world = runtime_.worldSize();
-  auto [plan, meta] = describeRank(model, optimizer, progress, rank, world, options_.async,
-                                   /*buffers=*/rank == 0, /*withMeta=*/rank == 0);
+  // Frozen shards and optimizer state (an in-memory snapshot's) are written from where they are;
+  // the buffers change in the next forward, so an asynchronous save copies them still.
+  auto [plan, meta] = describeRank(model, optimizer, progress, rank, world, options_.async && !frozen,
+                                   /*buffers=*/false, /*withMeta=*/rank == 0);
+  if (rank == 0) addBuffers(plan, model, options_.async);
 
   const std::string dir = options_.dir;
   const std::string finalDir = dir + "/" + stepDirName(progress.step);

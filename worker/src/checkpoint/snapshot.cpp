@@ -409,6 +409,26 @@ void Snapshotter::step(FullyShardedDataParallel& model, torch::optim::Optimizer&
   optimizer.step();
 }
 
+bool Snapshotter::frozen(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer) const {
+  const auto& d = *impl_;
+  if (!d.live) return false;
+  std::string kind;
+  try {
+    kind = optimizerKind(optimizer);
+  } catch (const ConfigError&) {
+    return false;
+  }
+  for (const auto& flat : model->shardLayout().flats) {
+    if (!inside(d.live, flat.shard)) return false;
+    if (const auto state = readState(optimizer, kind, flat.shard)) {
+      for (const auto& [name, t] : state->tensors) {
+        if (!inside(d.live, t)) return false;
+      }
+    }
+  }
+  return true;
+}
+
 void Snapshotter::save(FullyShardedDataParallel& model, torch::optim::Optimizer* optimizer,
                        const TrainingProgress& progress) {
   auto& d = *impl_;
@@ -419,11 +439,7 @@ void Snapshotter::save(FullyShardedDataParallel& model, torch::optim::Optimizer*
   auto state = describeRank(model, optimizer, progress, d.runtime.rank(), d.runtime.worldSize(), /*copy=*/false,
                             /*buffers=*/false, /*withMeta=*/true, /*everyReplica=*/true);
   state.meta["primary_replica"] = model->shardLayout().primaryReplica;
-  for (const auto& item : model->module()->named_buffers()) {
-    Block b{.what = "buffer/" + item.key()};
-    b.shape = item.value().sizes().vec();
-    addBlock(state.plan, b, item.value().detach(), /*copy=*/true);
-  }
+  addBuffers(state.plan, model, /*copy=*/true);
   d.worker = std::thread([&d, plan = std::move(state.plan), meta = std::move(state.meta), step = progress.step]() mutable {
     try {
       d.write(std::move(plan), std::move(meta), step);

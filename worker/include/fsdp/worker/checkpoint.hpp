@@ -67,8 +67,11 @@ class Checkpointer {
   // Collective. Writes this rank's shards and optimizer state; rank 0 commits once every rank's
   // file is written. `optimizer` may be null (weights only). Throws ConfigError for an optimizer
   // whose state cannot be checkpointed (LBFGS), Error for I/O failures (naming the file).
+  // `frozen`: the shards and the optimizer state will never change where they are (they lie in
+  // an in-memory snapshot: Snapshotter::frozen()), so an asynchronous save writes them from
+  // there on its thread, without copying them on this one.
   void save(FullyShardedDataParallel& model, torch::optim::Optimizer* optimizer,
-            const TrainingProgress& progress);
+            const TrainingProgress& progress, bool frozen = false);
   // Collective. Loads the newest complete checkpoint in the directory into the model (and the
   // optimizer); nullopt when there is none. Throws ConfigError naming the file and the problem
   // for a checkpoint that is corrupt or does not fit the model; nothing is changed then.

@@ -71,6 +71,11 @@ class Snapshotter {
   // optimizer is Adam or AdamW, the shards are on the CPU and snapshots are on (else
   // optimizer.step()).
   void step(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer);
+  // Whether the shards and the optimizer state lie in snapshot memory that nothing writes again
+  // (after a step() that wrote them there): until the next step() they are the state of the
+  // last step, and afterwards they stay that (the next step writes elsewhere). A checkpoint
+  // writer may then read them on its own thread (Checkpointer::save's `frozen`).
+  bool frozen(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer) const;
 
   // Collective. Restores the newest step whose snapshot every rank can read (on this node, or
   // from the peer copy when a node was lost: then resharded to this world size). nullopt, with
