@@ -272,6 +272,8 @@ void recovery(const Args& args) {
     return std::find(cases.begin(), cases.end(), k) != cases.end();
   };
   const nlohmann::json base = {{"bench", "recovery"}, {"seed", seed}, {"steps", c.steps}};
+  // Per model, every rep's overhead: their median is the figure (one pair of runs is noisy).
+  std::map<std::string, std::vector<double>> overheads;
 
   for (int rep = 0; rep < reps; ++rep) {
     for (const auto& model : models) {
@@ -350,6 +352,7 @@ void recovery(const Args& args) {
                        {"overhead_pct", 100.0 * (ms[1] / ms[0] - 1.0)},
                        {"loadavg_1m_before", load}});
           emit(line);
+          overheads[model].push_back(100.0 * (ms[1] / ms[0] - 1.0));
         }
       }
       // The peer: DeepNet only (recovery_torch.py has no GPT), worker kills.
@@ -383,6 +386,15 @@ void recovery(const Args& args) {
         }
       }
     }
+  }
+  for (const auto& [model, each] : overheads) {
+    emit({{"bench", "recovery"},
+          {"what", "snapshot_overhead_median"},
+          {"model", model},
+          {"seed", seed},
+          {"reps", each.size()},
+          {"overhead_pct_median", median(each)},
+          {"overhead_pct_each", each}});
   }
 }
 
