@@ -225,7 +225,9 @@ TEST(SnapshotApi, ARestartRestoresTheStateOfTheNewestCommonStep) {
     if (copy) {
       EXPECT_TRUE(summary["frozen_held"].is_null()) << r.out;
     } else {
-      EXPECT_EQ(summary["frozen_held"], true) << "the state frozen() vouched for changed afterwards: " << r.out;
+      EXPECT_EQ(summary["frozen_held"], true)
+          << "the state frozen() vouched for changed afterwards, or the next step stopped writing into a snapshot: "
+          << r.out;
     }
     expectNothingLeft(tag, runId);
   }

@@ -96,6 +96,9 @@ int main(int argc, char** argv) {
     }
     ++step;
     snapshots.save(model, &optimizer, {.step = step});
+    // Views of the frozen state (a checkpoint writer's) must not stop the next step from
+    // writing into a snapshot again.
+    if (step == checkStep + 1) frozenAtCheck = frozenAtCheck && snapshots.frozen(model, optimizer);
     if (step == checkStep) {
       frozenAtCheck = snapshots.frozen(model, optimizer);
       for (const auto& p : model->parameters()) held.push_back(p.detach());

@@ -218,7 +218,10 @@ struct Snapshotter::Impl {
     };
     for (const auto& flat : layout.flats) {
       // A shard that shares its memory (one rank: the full parameter itself) stays where it is.
-      if (!flat.shard.device().is_cpu() || !flat.shard.is_contiguous() || flat.shard.storage().use_count() != 1) {
+      // One in a snapshot buffer is ours; what else refers to it only reads it (a checkpoint
+      // writer's views of frozen state).
+      if (!flat.shard.device().is_cpu() || !flat.shard.is_contiguous() ||
+          (!inside(live, flat.shard) && flat.shard.storage().use_count() != 1)) {
         return false;
       }
       slot(flat.shard, "param", flat.shard);
