@@ -21,16 +21,14 @@ std::string optimizerKind(const torch::optim::Optimizer& o) {
                     "RMSprop and Adagrad can; LBFGS keeps history that does not shard)");
 }
 
-namespace {
-
-std::string stateKey(const at::Tensor& p) { return c10::guts::to_string(p.unsafeGetTensorImpl()); }
-
-}  // namespace
+std::string optimizerStateKey(const at::Tensor& param) {
+  return c10::guts::to_string(param.unsafeGetTensorImpl());
+}
 
 std::optional<OptimizerState> readState(torch::optim::Optimizer& o, const std::string& kind,
                                         const at::Tensor& param) {
   auto& states = o.state();
-  const auto it = states.find(stateKey(param));
+  const auto it = states.find(optimizerStateKey(param));
   if (it == states.end()) return std::nullopt;
   OptimizerState out;
   const auto put = [&out](const char* name, const at::Tensor& t) {
@@ -100,7 +98,7 @@ void writeState(torch::optim::Optimizer& o, const std::string& kind, const at::T
   } else {
     throw ConfigError("checkpoint: unknown optimizer kind '" + kind + "'");
   }
-  o.state()[stateKey(param)] = std::move(state);
+  o.state()[optimizerStateKey(param)] = std::move(state);
 }
 
 std::vector<std::string> optimizerStateNames(const Manifest& m) {

@@ -88,6 +88,24 @@ bool inside(const std::shared_ptr<Buffer>& b, const at::Tensor& t) {
   return b && p >= b->map && p < b->map + b->bytes;
 }
 
+// Calls fn(shard, what, tensor) for every flat parameter's shard ("param") and each of its
+// optimizer state tensors (by name), until fn returns false. The tensors are the live ones
+// (set_() on them moves the state).
+template <typename Fn>
+bool forEachStateTensor(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer, const std::string& kind,
+                        Fn&& fn) {
+  for (const auto& flat : model->shardLayout().flats) {
+    at::Tensor shard = flat.shard;
+    if (!fn(flat.shard, std::string("param"), shard)) return false;
+    if (auto state = readState(optimizer, kind, flat.shard)) {
+      for (auto& [name, t] : state->tensors) {
+        if (!fn(flat.shard, name, t)) return false;
+      }
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 struct Snapshotter::Impl {
@@ -176,16 +194,11 @@ struct Snapshotter::Impl {
   void moveOut(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer) {
     if (!live) return;
     at::NoGradGuard noGrad;
-    const auto kind = optimizerKind(optimizer);
-    for (const auto& flat : model->shardLayout().flats) {
-      at::Tensor shard = flat.shard;
-      if (inside(live, shard)) shard.set_(shard.clone());
-      if (auto state = readState(optimizer, kind, flat.shard)) {
-        for (auto& [name, t] : state->tensors) {
-          if (inside(live, t)) t.set_(t.clone());
-        }
-      }
-    }
+    const auto moveIfInLive = [&](const at::Tensor&, const std::string&, at::Tensor& t) {
+      if (inside(live, t)) t.set_(t.clone());
+      return true;
+    };
+    forEachStateTensor(model, optimizer, optimizerKind(optimizer), moveIfInLive);
     live.reset();
   }
 
@@ -202,7 +215,8 @@ struct Snapshotter::Impl {
     }
     if (kind != "adam" && kind != "adamw") return false;
     const ShardLayout layout = model->shardLayout();
-    std::uint64_t small = 4096 + static_cast<std::uint64_t>(at::detail::getDefaultCPUGenerator().get_state().nbytes());
+    static const auto rngBytes = static_cast<std::uint64_t>(at::detail::getDefaultCPUGenerator().get_state().nbytes());
+    std::uint64_t small = 4096 + rngBytes;
     std::uint64_t headerReserve = 65536;
     for (const auto& item : model->module()->named_buffers()) {
       small = alignUp(small + item.value().nbytes(), 64);
@@ -253,15 +267,10 @@ struct Snapshotter::Impl {
     // What the step did not write (frozen shards, shards without a gradient this step, their
     // state) is copied: the buffer holds the whole snapshot, and the last one is left alone.
     at::NoGradGuard noGrad;
-    for (const auto& flat : layout.flats) {
-      at::Tensor shard = flat.shard;
-      if (!inside(buffer, shard)) shard.set_(place(shard, "param").copy_(shard));
-      if (auto state = readState(optimizer, kind, flat.shard)) {
-        for (auto& [name, t] : state->tensors) {
-          if (!inside(buffer, t)) t.set_(place(flat.shard, name.c_str()).copy_(t));
-        }
-      }
-    }
+    forEachStateTensor(model, optimizer, kind, [&](const at::Tensor& shard, const std::string& what, at::Tensor& t) {
+      if (!inside(buffer, t)) t.set_(place(shard, what.c_str()).copy_(t));
+      return true;
+    });
     live = buffer;
     return true;
   }
@@ -421,15 +430,8 @@ bool Snapshotter::frozen(FullyShardedDataParallel& model, torch::optim::Optimize
   } catch (const ConfigError&) {
     return false;
   }
-  for (const auto& flat : model->shardLayout().flats) {
-    if (!inside(d.live, flat.shard)) return false;
-    if (const auto state = readState(optimizer, kind, flat.shard)) {
-      for (const auto& [name, t] : state->tensors) {
-        if (!inside(d.live, t)) return false;
-      }
-    }
-  }
-  return true;
+  return forEachStateTensor(model, optimizer, kind,
+                            [&](const at::Tensor&, const std::string&, at::Tensor& t) { return inside(d.live, t); });
 }
 
 void Snapshotter::save(FullyShardedDataParallel& model, torch::optim::Optimizer* optimizer,

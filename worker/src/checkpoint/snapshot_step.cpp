@@ -16,8 +16,6 @@ namespace fsdp::worker::detail {
 
 namespace {
 
-std::string stateKey(const at::Tensor& p) { return c10::guts::to_string(p.unsafeGetTensorImpl()); }
-
 bool steppable(const at::Tensor& t, const at::Tensor& like) {
   return t.defined() && !t.is_sparse() && t.is_contiguous() && t.sizes() == like.sizes() &&
          t.scalar_type() == like.scalar_type() && t.device() == like.device();
@@ -40,7 +38,7 @@ bool adamLike(at::Tensor& scratch, torch::optim::Optimizer& o, bool decoupled, c
     const auto& options = static_cast<const Options&>(group.options());
     for (const auto& p : group.params()) {
       if (!p.grad().defined()) continue;
-      const auto it = o.state().find(stateKey(p));
+      const auto it = o.state().find(optimizerStateKey(p));
       if (it == o.state().end()) return false;  // the first step creates the state in place
       const auto& s = static_cast<const State&>(*it->second);
       if (!p.is_contiguous() || !steppable(p.grad(), p) || !steppable(s.exp_avg(), p) ||
@@ -54,7 +52,7 @@ bool adamLike(at::Tensor& scratch, torch::optim::Optimizer& o, bool decoupled, c
     const auto& options = static_cast<const Options&>(group.options());
     for (auto& p : group.params()) {
       if (!p.grad().defined()) continue;
-      auto& s = static_cast<State&>(*o.state().at(stateKey(p)));
+      auto& s = static_cast<State&>(*o.state().at(optimizerStateKey(p)));
       Moved to{place(p, "param"), place(p, "exp_avg"), place(p, "exp_avg_sq"),
                options.amsgrad() ? place(p, "max_exp_avg_sq") : at::Tensor()};
       at::Tensor grad = p.grad();
