@@ -202,16 +202,20 @@ TEST(SnapshotUsage, AMalformedMemoryLimitIsAUsageError) {
 
 // The public API without the Trainer: the restored state is the one the step ended with, with
 // the optimizer stepping through snapshots.step() (no copy; the state it leaves is frozen while
-// training goes on) and through optimizer.step() (the snapshot copies).
+// training goes on) and through optimizer.step() (the snapshot copies); and, in 3 ranks, with a
+// frozen unit (a LoRA-style base: no optimizer state) beside a trainable one.
 TEST(SnapshotApi, ARestartRestoresTheStateOfTheNewestCommonStep) {
-  for (const bool copy : {false, true}) {
-    SCOPED_TRACE(copy ? "optimizer.step() and a copy" : "snapshots.step()");
+  for (const auto& [copy, frozenUnit] : {std::pair{false, false}, std::pair{true, false}, std::pair{false, true},
+                                         std::pair{true, true}}) {
+    SCOPED_TRACE(std::string(copy ? "optimizer.step() and a copy" : "snapshots.step()") +
+                 (frozenUnit ? ", a frozen unit, 3 ranks" : ""));
     TempDir dir;
     const std::string runId = uniqueRunId("api");
     const std::string tag = "FSDP_SNAPSHOT_TAG=" + runId;
-    std::vector<std::string> argv = {kBin + "/fsdprun", "--nproc_per_node", "2", "--max_restarts", "1", "--rdzv_id",
-                                     runId, kBin + "/snapshot_worker", dir.path(), "12", "7"};
+    std::vector<std::string> argv = {kBin + "/fsdprun", "--nproc_per_node", frozenUnit ? "3" : "2", "--max_restarts",
+                                     "1", "--rdzv_id", runId, kBin + "/snapshot_worker", dir.path(), "12", "7"};
     if (copy) argv.push_back("--copy");
+    if (frozenUnit) argv.push_back("--frozen_unit");
     const auto r = runCommand(argv, 120s, {tag, "TMPDIR=" + dir.path()});
     ASSERT_EQ(r.exitCode, 0) << r.err;
     const auto summary = summaryOf(r.out);

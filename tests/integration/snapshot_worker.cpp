@@ -1,12 +1,13 @@
 // A training program that uses fsdp::Snapshotter directly (no Trainer), run under fsdprun by
 // snapshot_test.cpp:
-//   snapshot_worker OUT_DIR STEPS KILL_STEP [--other_model] [--copy]
+//   snapshot_worker OUT_DIR STEPS KILL_STEP [--other_model] [--copy] [--frozen_unit]
 // First attempt: trains STEPS steps (a snapshot after each); rank 1 SIGKILLs itself after
 // KILL_STEP. Every rank writes the hash of its parameter shard and optimizer state after each
 // step to OUT_DIR/hash_<rank>_<step>. A restarted attempt restores, checks the restored state
 // against the hash written for that step, trains to the end, and rank 0 prints one JSON line:
 // {"restored": step | null, "matches": bool, "steps": n}. With --other_model the restart builds
-// a model of other shapes: the snapshot must be refused (nothing restored). The optimizer steps
+// a model of other shapes: the snapshot must be refused (nothing restored). --frozen_unit: each
+// Linear is a unit of its own and the first is frozen (no gradient, no optimizer state). The optimizer steps
 // through snapshots.step() (no copy), or with --copy through optimizer.step() after wait() (the
 // snapshot copies). Without --copy, after step 3 the state must be frozen(): views of it kept to
 // the end still hold step 3's values ("frozen_held" in the JSON line; null with --copy).
@@ -37,8 +38,11 @@ std::string stateHash(fsdp::FullyShardedDataParallel& model, torch::optim::Optim
     hash.update(std::string_view(static_cast<const char*>(c.data_ptr()), static_cast<std::size_t>(c.nbytes())));
   };
   for (const auto& p : model->parameters()) add(p);
-  for (const auto& [key, state] : optimizer.state()) {
-    const auto& adam = static_cast<const torch::optim::AdamParamState&>(*state);
+  // In parameter order: the state map's own order follows tensor addresses, which a restart changes.
+  for (const auto& p : model->parameters()) {
+    const auto it = optimizer.state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+    if (it == optimizer.state().end()) continue;
+    const auto& adam = static_cast<const torch::optim::AdamParamState&>(*it->second);
     add(adam.exp_avg());
     add(adam.exp_avg_sq());
   }
@@ -55,17 +59,23 @@ int main(int argc, char** argv) {
   const std::string out = argv[1];
   const int steps = std::stoi(argv[2]);
   const int killStep = std::stoi(argv[3]);
-  bool otherModel = false, copy = false;
+  bool otherModel = false, copy = false, frozenUnit = false;
   for (int i = 4; i < argc; ++i) {
     otherModel = otherModel || std::string(argv[i]) == "--other_model";
     copy = copy || std::string(argv[i]) == "--copy";
+    frozenUnit = frozenUnit || std::string(argv[i]) == "--frozen_unit";
   }
   auto rt = fsdp::init();
   const bool restarted = rt->env().restartCount > 0;
   torch::manual_seed(7);
   torch::nn::Sequential net(torch::nn::Linear(32, 64), torch::nn::ReLU(), torch::nn::Dropout(0.3),
                             torch::nn::Linear(64, restarted && otherModel ? 5 : 4));
-  fsdp::FullyShardedDataParallel model(net, rt->comm(), {});
+  fsdp::FsdpOptions options;
+  if (frozenUnit) {
+    for (auto& p : net[0]->parameters()) p.set_requires_grad(false);
+    options.autoWrap = fsdp::AutoWrapPolicy::minParams(1);
+  }
+  fsdp::FullyShardedDataParallel model(net, rt->comm(), options);
   torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(1e-2));
   fsdp::Snapshotter snapshots(*rt);
 

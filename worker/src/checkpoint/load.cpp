@@ -157,19 +157,30 @@ TrainingProgress loadManifest(Runtime& runtime, const Manifest& m, Reader& reade
       }
     }
     const auto stateNames = optimizer == nullptr ? std::vector<std::string>{} : optimizerStateNames(m);
+    // Whether old flat parameter `oldFlat` had optimizer state `what` saved: a frozen one (a
+    // LoRA base, a frozen unit) never had any, and gets none.
+    const auto saved = [&m](int oldFlat, const std::string& what) {
+      for (const auto& file : m.blocks) {
+        for (const auto& b : file) {
+          if (b.flat == oldFlat && b.what == what) return true;
+        }
+      }
+      return false;
+    };
     for (const auto& flat : layout.flats) {
       auto values = at::zeros_like(flat.shard.detach(), at::TensorOptions().device(at::kCPU));
       fillShard(reader, m, flat, "param", values);
       shards.push_back(values);
       OptimizerState st;
+      const int oldFlat = flat.params.empty() ? -1 : m.params.at(flat.params.front().name).flat;
       for (const auto& name : stateNames) {
+        if (oldFlat >= 0 && !saved(oldFlat, "optim/" + name)) continue;
         auto t = at::zeros_like(values);
         fillShard(reader, m, flat, "optim/" + name, t);
         st.tensors[name] = t.to(flat.shard.device());
       }
       // Scalars (Adam's step) from the old flat parameter that held this one's first parameter.
-      if (optimizer != nullptr && !flat.params.empty()) {
-        const int oldFlat = m.params.at(flat.params.front().name).flat;
+      if (optimizer != nullptr && oldFlat >= 0) {
         if (static_cast<std::size_t>(oldFlat) < m.scalars.size()) st.scalars = m.scalars[static_cast<std::size_t>(oldFlat)];
       }
       if (!st.tensors.empty() || !st.scalars.empty()) {
