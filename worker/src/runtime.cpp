@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "fsdp/common/error.hpp"
+#include "fsdp/common/lifeline.hpp"
 #include "fsdp/common/log.hpp"
 #include "fsdp/worker/gloo_communicator.hpp"
 #include "fsdp/worker/hierarchical_communicator.hpp"
@@ -175,6 +176,9 @@ void awaitActivation() {
 }  // namespace
 
 std::unique_ptr<Runtime> init(const InitOptions& options) {
+  // First: from here on the agent learns of this process's exit at its start, not after the
+  // kernel has freed its memory (a spare's too, while it waits).
+  holdLifeline();
   awaitActivation();
   WorkerEnv env = WorkerEnv::fromEnvironment(processEnv());
   log::setup({.role = "worker", .rank = env.rank, .defaultLevel = spdlog::level::warn});

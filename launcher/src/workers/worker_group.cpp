@@ -72,6 +72,7 @@ WorkerGroup::WorkerGroup(std::vector<WorkerSpec> specs, const OutputOptions& out
                          std::string attemptDir, Guardian& guardian, bool standby)
     : output_(output), attemptDir_(std::move(attemptDir)), guardian_(guardian) {
   workers_.reserve(specs.size());
+  if (::pipe2(lifelineNews_, O_CLOEXEC | O_NONBLOCK) != 0) throwErrno("pipe2 for the workers' lifelines", errno);
   for (auto& spec : specs) {
     std::error_code ec;
     std::filesystem::create_directories(dirOf(spec.localRank), ec);
@@ -86,15 +87,30 @@ WorkerGroup::WorkerGroup(std::vector<WorkerSpec> specs, const OutputOptions& out
     w.started = Deadline::Clock::now();
     // The child's ends of the pipes are in spawn.stdoutFd/stderrFd; close ours after exec.
     int standbyEnd = -1;
+    int lifelineEnd = -1;
     struct CloseChildEnds {
       SpawnOptions& s;
       int& standby;
+      int& lifeline;
       ~CloseChildEnds() {
         if (s.stdoutFd) ::close(*s.stdoutFd);
         if (s.stderrFd) ::close(*s.stderrFd);
         if (standby >= 0) ::close(standby);
+        if (lifeline >= 0) ::close(lifeline);
       }
-    } closer{spawn, standbyEnd};
+    } closer{spawn, standbyEnd, lifelineEnd};
+    const std::size_t index = workers_.size() - 1;
+    if (index < 256) {
+      try {
+        w.lifeline = std::make_unique<LifelineWatch>(lifelineNews_[1], static_cast<unsigned char>(index));
+        // A duplicate without close-on-exec crosses exec (this thread is the only one that spawns).
+        lifelineEnd = ::fcntl(w.lifeline->fd(), F_DUPFD, 3);
+        if (lifelineEnd >= 0) spawn.env.push_back("FSDPRUN_LIFELINE_FD=" + std::to_string(lifelineEnd));
+      } catch (const Error& e) {
+        log::debug("no lifeline for local rank {} ({}): its exit is learnt when it is reaped", w.spec.localRank,
+                   e.what());
+      }
+    }
     if (standby) {
       std::array<int, 2> fds{};
       if (::pipe2(fds.data(), O_CLOEXEC) != 0) throwErrno("pipe2 for a standby worker", errno);
@@ -121,7 +137,9 @@ WorkerGroup::~WorkerGroup() {
       w.process.reset();  // kills the process group and reaps the worker
       guardian_.forget(pid);
     }
+    w.lifeline.reset();
   }
+  for (const int fd : lifelineNews_) ::close(fd);
 }
 
 std::string WorkerGroup::dirOf(int localRank) const {
@@ -157,6 +175,7 @@ void WorkerGroup::setUpStream(Worker& w, Stream& s, int bit, SpawnOptions& spawn
 }
 
 void WorkerGroup::addPollFds(std::vector<pollfd>& fds) const {
+  fds.push_back({lifelineNews_[0], POLLIN, 0});
   for (const auto& w : workers_) {
     for (const Stream* s : {&w.out, &w.err}) {
       if (s->fd >= 0) fds.push_back({s->fd, POLLIN, 0});
@@ -218,8 +237,45 @@ void WorkerGroup::keepTail(Worker& w, const char* data, std::size_t n) {
   }
 }
 
+void WorkerGroup::drainStreams(Worker& w) {
+  // Whatever the worker wrote before it died belongs before the news of its death. A pipe may
+  // stay open in a grandchild; read what is there without waiting for its EOF.
+  for (Stream* s : {&w.out, &w.err}) {
+    if (s->fd >= 0) readStream(w, *s);
+  }
+}
+
+void WorkerGroup::takeLifelineNews(std::vector<WorkerExit>& exits) {
+  std::array<unsigned char, 256> news{};
+  for (;;) {
+    const ssize_t n = ::read(lifelineNews_[0], news.data(), news.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;
+    for (ssize_t i = 0; i < n; ++i) {
+      if (news[static_cast<std::size_t>(i)] >= workers_.size()) continue;
+      Worker& w = workers_[news[static_cast<std::size_t>(i)]];
+      if (w.reported || w.exitTold || !w.process || w.process->reaped()) continue;
+      // Released by the kernel for its dead holder; an exec releases it too, and the process
+      // then goes on: /proc says which.
+      const pid_t pid = w.process->pid();
+      const auto status = exitingStatus(pid);
+      if (!status) {
+        log::debug("rank {} (pid {}) dropped its lifeline without exiting", w.spec.rank, pid);
+        continue;
+      }
+      w.exitTold = true;
+      // Nothing the worker started outlives it (the group exists until its leader is reaped).
+      ::kill(-pid, SIGKILL);
+      drainStreams(w);
+      exits.push_back({w.spec.localRank, w.spec.rank, pid, *status,
+                       std::chrono::duration<double>(Deadline::Clock::now() - w.started).count()});
+    }
+  }
+}
+
 std::vector<WorkerExit> WorkerGroup::reap() {
   std::vector<WorkerExit> exits;
+  takeLifelineNews(exits);
   for (auto& w : workers_) {
     if (w.reported || !w.process) continue;
     const pid_t pid = w.process->pid();
@@ -241,11 +297,9 @@ std::vector<WorkerExit> WorkerGroup::reap() {
     // have been reused (the group had members, or the leader was reaped just now).
     ::kill(-pid, SIGKILL);
     guardian_.forget(pid);
-    // Whatever the worker wrote before it died belongs before the news of its death. A pipe
-    // may stay open in a grandchild; read what is there without waiting for its EOF.
-    for (Stream* s : {&w.out, &w.err}) {
-      if (s->fd >= 0) readStream(w, *s);
-    }
+    drainStreams(w);
+    if (w.exitTold) continue;
+    w.exitTold = true;
     exits.push_back({w.spec.localRank, w.spec.rank, w.process->pid(), *status,
                      std::chrono::duration<double>(Deadline::Clock::now() - w.started).count()});
   }

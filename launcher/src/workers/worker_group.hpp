@@ -9,12 +9,14 @@
 
 #include <chrono>
 #include <deque>
+#include <memory>
 #include <optional>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "fsdp/common/deadline.hpp"
+#include "fsdp/common/lifeline.hpp"
 #include "fsdp/common/process.hpp"
 #include "fsdp/launcher/log_spec.hpp"
 #include "guardian.hpp"
@@ -58,16 +60,20 @@ class WorkerGroup {
   WorkerGroup(const WorkerGroup&) = delete;
   WorkerGroup& operator=(const WorkerGroup&) = delete;
 
-  // The output pipes still open, for poll().
+  // The output pipes still open and the lifelines' news, for poll().
   void addPollFds(std::vector<pollfd>& fds) const;
   // Moves whatever the readable pipes hold to its destinations.
   void pump(const std::vector<pollfd>& fds);
-  // Reaps the workers that exited since the last call (after their output is drained) and
-  // kills what they left in their process groups. Logs workers stopped (SIGSTOP) or continued.
+  // The workers that exited since the last call, each once: those that began to exit (told by
+  // their lifeline, before the kernel has torn down their memory) and those reaped. Drains
+  // their output first and kills what they left in their process groups. Logs workers stopped
+  // (SIGSTOP) or continued.
   std::vector<WorkerExit> reap();
   // Sends `sig` to every running worker's process group; after a stop signal also SIGCONT, so
   // that a stopped worker can act on it.
   void signalAll(int sig);
+  // Workers not reaped yet (one that has begun to exit still counts: its memory, a GPU's
+  // included, is not free before it is reaped).
   std::size_t running() const;
   std::vector<pid_t> pids() const;
 
@@ -100,18 +106,24 @@ class WorkerGroup {
     Stream err;
     std::deque<std::string> tail;  // last stderr lines
     std::string partial;           // stderr bytes after the last newline
-    bool reported = false;
+    bool reported = false;         // reaped
+    bool exitTold = false;         // its exit is in a reap() result already
     int activation = -1;           // a standby's pipe (write end) until activate()
+    std::unique_ptr<LifelineWatch> lifeline;
   };
   void setUpStream(Worker& w, Stream& s, int bit, SpawnOptions& spawn);
   void readStream(Worker& w, Stream& s);
   void keepTail(Worker& w, const char* data, std::size_t n);
+  void drainStreams(Worker& w);
+  // The workers whose lifelines report them exiting, as exits.
+  void takeLifelineNews(std::vector<WorkerExit>& exits);
   std::string dirOf(int localRank) const;
 
   std::vector<Worker> workers_;
   OutputOptions output_;
   std::string attemptDir_;
   Guardian& guardian_;
+  int lifelineNews_[2] = {-1, -1};  // a pipe: each watcher writes its worker's index
 };
 
 // The message in a torchrun-style error file: {"message": "..."} or
