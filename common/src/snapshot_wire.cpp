@@ -75,7 +75,7 @@ void preadAll(int fd, void* data, std::size_t n, std::uint64_t offset, const std
 
 }  // namespace
 
-std::string readPieceHeader(int fd, const std::string& where) {
+std::uint64_t checkPiecePrefix(int fd, const std::string& where) {
   const std::uint64_t size = fileBytes(fd);
   if (size < kPrefixBytes) throw Error(where + " is not a snapshot (" + std::to_string(size) + " bytes)");
   char prefix[kPrefixBytes];
@@ -87,7 +87,11 @@ std::string readPieceHeader(int fd, const std::string& where) {
     throw Error(where + " has a malformed prefix (header " + std::to_string(headerBytes) + " bytes, data at " +
                 std::to_string(dataOffset) + " of " + std::to_string(size) + ")");
   }
-  std::string header(headerBytes, '\0');
+  return headerBytes;
+}
+
+std::string readPieceHeader(int fd, const std::string& where) {
+  std::string header(checkPiecePrefix(fd, where), '\0');
   preadAll(fd, header.data(), header.size(), kPrefixBytes, where);
   return header;
 }

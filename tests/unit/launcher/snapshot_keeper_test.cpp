@@ -21,8 +21,15 @@ using fsdp::launcher::SnapshotKeeper;
 using fsdp::snapshot::Fd;
 using nlohmann::json;
 
+// A piece and what a worker's put names it.
+struct TestPiece {
+  Fd fd;
+  json names;
+};
+
 // A piece of `dataBytes` bytes of data for (rank, world, step), sealed unless asked not to.
-Fd makePiece(int rank, int world, std::int64_t step, std::uint64_t dataBytes = 4096, bool seal = true, int round = 0) {
+TestPiece makePiece(int rank, int world, std::int64_t step, std::uint64_t dataBytes = 4096, bool seal = true,
+                    int round = 0) {
   const std::string header = json{{"rank", rank}, {"world", world}, {"step", step}, {"round", round},
                                   {"meta", json::object()}, {"blocks", json::array()}}
                                  .dump();
@@ -33,7 +40,7 @@ Fd makePiece(int rank, int world, std::int64_t step, std::uint64_t dataBytes = 4
   fsdp::snapshot::writePiecePrefix(static_cast<char*>(map), header);
   ::munmap(map, total);
   if (seal) fsdp::snapshot::sealPiece(fd.get(), /*writes=*/false);
-  return fd;
+  return {std::move(fd), {{"rank", rank}, {"world", world}, {"step", step}, {"round", round}}};
 }
 
 class Client {
@@ -46,7 +53,11 @@ class Client {
     if (received != nullptr) *received = std::move(answer->second);
     return json::parse(answer->first);
   }
-  json put(Fd piece) { return ask({{"op", "put"}}, piece.get()); }
+  json put(const TestPiece& piece) {
+    json request = piece.names;
+    request["op"] = "put";
+    return ask(request, piece.fd.get());
+  }
   std::vector<std::tuple<int, int, std::int64_t, bool>> list() {
     std::vector<std::tuple<int, int, std::int64_t, bool>> out;
     const json answer = ask({{"op", "list"}});
@@ -106,11 +117,18 @@ TEST(SnapshotKeeper, AnUnsealedPieceOrGarbageIsRefusedAndTheKeeperServesOn) {
   EXPECT_NE(unsealed["error"].get<std::string>().find("sealed"), std::string::npos);
   Fd notAPiece = fsdp::snapshot::createMemfd("junk", 100);
   fsdp::snapshot::sealPiece(notAPiece.get(), /*writes=*/false);
-  const auto junk = c.put(std::move(notAPiece));
+  const auto junk = c.put({std::move(notAPiece), makePiece(0, 1, 1).names});
   EXPECT_FALSE(junk["ok"].get<bool>());
   EXPECT_NE(junk["error"].get<std::string>().find("not a snapshot"), std::string::npos) << junk;
   EXPECT_FALSE(c.ask({{"op", "nope"}})["ok"].get<bool>());
-  EXPECT_FALSE(c.put(Fd())["ok"].get<bool>());  // a put without a piece
+  EXPECT_FALSE(c.put({Fd(), makePiece(0, 1, 1).names})["ok"].get<bool>());  // a put without a piece
+  // A put that does not say which piece it is, or says it with something else than integers.
+  for (const json& names : {json{{"rank", 0}, {"world", 1}, {"step", 1}},
+                            json{{"rank", 0}, {"world", 1}, {"step", "1"}, {"round", 0}}}) {
+    const auto unnamed = c.put({makePiece(0, 1, 1).fd, names});
+    EXPECT_FALSE(unnamed["ok"].get<bool>()) << names;
+    EXPECT_NE(unnamed.value("error", "").find("a put names its piece"), std::string::npos) << unnamed;
+  }
   // Another connection is unaffected, and the first still works.
   Client other(keeper);
   EXPECT_TRUE(other.put(makePiece(0, 1, 2))["ok"].get<bool>());
@@ -178,7 +196,7 @@ std::optional<json> sendPeer(const SnapshotKeeper& keeper, const json& header, i
 
 TEST(SnapshotKeeper, APeerStreamFromTheJobIsKeptAndAStrangersIsNot) {
   SnapshotKeeper keeper(options());
-  Fd piece = makePiece(3, 4, 11);
+  Fd piece = makePiece(3, 4, 11).fd;
   const std::uint64_t bytes = fsdp::snapshot::fileBytes(piece.get());
   json header{{"run", "keeper-test"}, {"rank", 3}, {"world", 4}, {"step", 11}, {"bytes", bytes},
               {"mac", fsdp::snapshot::peerMac("wrong token", "keeper-test", 3, 4, 11, bytes)}};

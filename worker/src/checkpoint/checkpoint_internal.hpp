@@ -279,6 +279,11 @@ struct RankState {
 RankState describeRank(FullyShardedDataParallel& model, torch::optim::Optimizer* optimizer,
                        const TrainingProgress& progress, int rank, int world, bool copy, bool buffers,
                        bool withMeta, bool everyReplica = false);
+// Sets the parts of describeRank's metadata that change from step to step: the progress and the
+// optimizer's step counts, state names and learning rates. (A snapshot every step keeps the
+// rest, the per-parameter table above all, from its first step.)
+void refreshMeta(json& meta, const ShardLayout& layout, torch::optim::Optimizer* optimizer,
+                 const TrainingProgress& progress);
 
 // Collective. Loads `m` (read through `reader`) into the model, the optimizer and the RNG once
 // every rank has read and checked its part; throws ConfigError on every rank (nothing changed)

@@ -63,21 +63,13 @@ RankState describeRank(FullyShardedDataParallel& model, torch::optim::Optimizer*
   RankState out;
   RankPlan& plan = out.plan;
   plan.rank = rank;
-  json scalars = json::array();
-  std::set<std::string> stateNames;
   for (std::size_t f = 0; f < layout.flats.size(); ++f) {
     const auto& flat = layout.flats[f];
     const std::int64_t valid =
         std::max<std::int64_t>(0, std::min(flat.shardNumel, flat.numel - flat.shardOffset));
+    if ((!layout.primaryReplica && !everyReplica) || valid == 0) continue;
     std::optional<OptimizerState> state;
     if (optimizer != nullptr) state = readState(*optimizer, kind, flat.shard);
-    json flatScalars = json::object();
-    if (state) {
-      for (const auto& [name, value] : state->scalars) flatScalars[name] = value;
-      for (const auto& item : state->tensors) stateNames.insert(item.first);
-    }
-    scalars.push_back(flatScalars);
-    if ((!layout.primaryReplica && !everyReplica) || valid == 0) continue;
     addBlock(plan, {.flat = static_cast<int>(f), .what = "param", .start = flat.shardOffset, .count = valid},
              flat.shard.detach().narrow(0, 0, valid), copy);
     if (state) {
@@ -104,29 +96,46 @@ RankState describeRank(FullyShardedDataParallel& model, torch::optim::Optimizer*
                      {"requires_grad", flat.requiresGrad},
                      {"params", params}});
   }
-  json groups = json::array();
-  if (optimizer != nullptr) {
-    for (const auto& g : optimizer->param_groups()) groups.push_back({{"lr", g.options().get_lr()}});
-  }
   out.meta = {{"format", kFormat},
               {"format_version", kFormatVersion},
               {"library_version", kLibraryVersion},
               {"world_size", world},
               {"shard_size", layout.shardSize},
               {"strategy", toString(model->options().strategy)},
-              {"step", progress.step},
-              {"epoch", progress.position.epoch},
-              {"step_in_epoch", progress.position.step},
-              {"seed", progress.seed},
-              {"extra", json::parse(progress.extraJson, nullptr, false)},
-              {"flats", flats},
-              {"optimizer", optimizer == nullptr ? json(nullptr)
-                                                 : json{{"kind", kind},
-                                                        {"state", std::vector<std::string>(stateNames.begin(), stateNames.end())},
-                                                        {"scalars", scalars},
-                                                        {"param_groups", groups}}}};
-  if (out.meta["extra"].is_discarded()) out.meta["extra"] = json::object();
+              {"flats", std::move(flats)}};
+  refreshMeta(out.meta, layout, optimizer, progress);
   return out;
+}
+
+void refreshMeta(json& meta, const ShardLayout& layout, torch::optim::Optimizer* optimizer,
+                 const TrainingProgress& progress) {
+  meta["step"] = progress.step;
+  meta["epoch"] = progress.position.epoch;
+  meta["step_in_epoch"] = progress.position.step;
+  meta["seed"] = progress.seed;
+  meta["extra"] = json::parse(progress.extraJson, nullptr, false);
+  if (meta["extra"].is_discarded()) meta["extra"] = json::object();
+  if (optimizer == nullptr) {
+    meta["optimizer"] = nullptr;
+    return;
+  }
+  const std::string kind = optimizerKind(*optimizer);
+  json scalars = json::array();
+  std::set<std::string> stateNames;
+  for (const auto& flat : layout.flats) {
+    json flatScalars = json::object();
+    if (const auto state = readState(*optimizer, kind, flat.shard)) {
+      for (const auto& [name, value] : state->scalars) flatScalars[name] = value;
+      for (const auto& item : state->tensors) stateNames.insert(item.first);
+    }
+    scalars.push_back(std::move(flatScalars));
+  }
+  json groups = json::array();
+  for (const auto& g : optimizer->param_groups()) groups.push_back({{"lr", g.options().get_lr()}});
+  meta["optimizer"] = {{"kind", kind},
+                       {"state", std::vector<std::string>(stateNames.begin(), stateNames.end())},
+                       {"scalars", std::move(scalars)},
+                       {"param_groups", std::move(groups)}};
 }
 
 }  // namespace detail

@@ -11,7 +11,10 @@
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstring>
+#include <functional>
+#include <mutex>
 #include <fstream>
 #include <list>
 #include <set>
@@ -106,6 +109,71 @@ bool forEachStateTensor(FullyShardedDataParallel& model, torch::optim::Optimizer
   return true;
 }
 
+// Runs one job at a time on a thread that lives as long as its owner, started with the first
+// job. (A thread per snapshot cost a clone, a fresh stack's page faults and, at its exit, an
+// unmap that interrupts the training thread's core, every step.)
+class JobThread {
+ public:
+  JobThread() = default;
+  JobThread(const JobThread&) = delete;
+  JobThread& operator=(const JobThread&) = delete;
+  ~JobThread() {
+    if (!thread_.joinable()) return;
+    {
+      std::scoped_lock lock(mutex_);
+      stopping_ = true;
+    }
+    changed_.notify_all();
+    thread_.join();
+  }
+  // Runs `job` once the previous one is done; the caller waits for it with wait().
+  void run(std::function<void()> job) {
+    wait();
+    {
+      std::scoped_lock lock(mutex_);
+      job_ = std::move(job);
+    }
+    if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
+    changed_.notify_all();
+  }
+  void wait() {
+    std::unique_lock lock(mutex_);
+    changed_.wait(lock, [&] { return !job_; });
+  }
+
+ private:
+  void loop() {
+    std::unique_lock lock(mutex_);
+    for (;;) {
+      changed_.wait(lock, [&] { return job_ || stopping_; });
+      if (!job_) return;  // stopping, nothing left to do
+      lock.unlock();
+      job_();  // the job catches what it throws
+      lock.lock();
+      job_ = nullptr;
+      changed_.notify_all();
+    }
+  }
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::function<void()> job_;  // set while a job waits or runs
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+// A piece's header: `base` (rank, world, step, round), the blocks and the rank's metadata,
+// written out without copying the metadata (a large table of parameters for a big model).
+std::string headerText(const json& base, json blocks, const json& meta) {
+  json top = base;
+  top["blocks"] = std::move(blocks);
+  std::string text = top.dump();
+  text.pop_back();  // the closing brace
+  text += ",\"meta\":";
+  text += meta.dump();
+  text += '}';
+  return text;
+}
+
 }  // namespace
 
 struct Snapshotter::Impl {
@@ -116,14 +184,19 @@ struct Snapshotter::Impl {
   std::string peerEndpoint;  // the next node's keeper, "" when none
   Fd peer;
   std::string token;
-  std::thread worker;
   std::atomic<bool> refused{false};
+  // The metadata of the last snapshot: what does not change from step to step is built once
+  // (refreshMeta updates the rest); `metaOf` names the layout it describes.
+  json meta;
+  std::vector<std::int64_t> metaOf;
   bool peerFailed = false;
   std::string restoredFrom;
   // Used by the background thread only (and by wait()'s caller after). A buffer is free when
   // the keeper no longer holds it and nothing else refers to it (use_count() == 1).
   std::list<std::shared_ptr<Buffer>> buffers;
   std::shared_ptr<Buffer> live;  // where step() put the shards and the optimizer state
+  // Writes and hands over one snapshot at a time. Last: it stops before what its jobs use goes.
+  JobThread worker;
 
   Impl(Runtime& rt, SnapshotOptions o) : runtime(rt), options(o) {}
 
@@ -161,7 +234,8 @@ struct Snapshotter::Impl {
   // Lays a zero-copy snapshot out in `buffer` when the plan's shards and optimizer state already
   // lie in it (step() put them there): their offsets are where they are, the small blocks go to
   // the region before them, the header into its reserve. False: the plan needs a copy.
-  static bool layOutInPlace(Buffer& buffer, RankPlan& plan, const json& headerBase, std::string& header) {
+  static bool layOutInPlace(Buffer& buffer, RankPlan& plan, const json& headerBase, const json& meta,
+                            std::string& header) {
     if (buffer.headerReserve == 0) return false;
     const std::uint64_t dataOffset = snapshot::dataOffsetFor(buffer.headerReserve);
     const char* data = buffer.map + dataOffset;
@@ -181,9 +255,7 @@ struct Snapshotter::Impl {
       }
       blocks.push_back(blockJson(b));
     }
-    json full = headerBase;
-    full["blocks"] = std::move(blocks);
-    header = full.dump();
+    header = headerText(headerBase, std::move(blocks), meta);
     if (header.size() > buffer.headerReserve) return false;
     header.resize(buffer.headerReserve, ' ');  // JSON allows the trailing spaces
     return true;
@@ -276,14 +348,14 @@ struct Snapshotter::Impl {
   }
 
   // The background half of save(): write, seal, hand over, copy to the peer.
-  void write(RankPlan plan, json meta, std::int64_t step) {
+  // `meta` stays unchanged until the job is over (save() waits for it first).
+  void write(RankPlan plan, const json& meta, std::int64_t step) {
     const int rank = runtime.rank();
     const int world = runtime.worldSize();
-    const json headerBase = {{"rank", rank}, {"world", world}, {"step", step}, {"round", runtime.env().round},
-                             {"meta", std::move(meta)}};
+    const json headerBase = {{"rank", rank}, {"world", world}, {"step", step}, {"round", runtime.env().round}};
     std::string header;
     std::shared_ptr<Buffer> buffer;
-    if (live && layOutInPlace(*live, plan, headerBase, header)) {
+    if (live && layOutInPlace(*live, plan, headerBase, meta, header)) {
       buffer = live;
     } else {
       std::uint64_t offset = 0;
@@ -293,9 +365,7 @@ struct Snapshotter::Impl {
         offset += b.bytes;
         blocks.push_back(blockJson(b));
       }
-      json full = headerBase;
-      full["blocks"] = std::move(blocks);
-      header = full.dump();
+      header = headerText(headerBase, std::move(blocks), meta);
       buffer = bufferFor(snapshot::dataOffsetFor(header.size()) + offset, step);
     }
     const std::uint64_t dataOffset = snapshot::dataOffsetFor(header.size());
@@ -308,7 +378,8 @@ struct Snapshotter::Impl {
     }
     plan.data.clear();  // the views of the live tensors go before the training thread goes on
     const int piece = buffer->fd.get();
-    const json answer = ask({{"op", "put"}}, piece);
+    const json answer = ask({{"op", "put"}, {"rank", rank}, {"world", world}, {"step", step}, {"round", runtime.env().round}},
+                            piece);
     if (!answer.value("ok", false)) {
       refused = true;
       buffers.clear();
@@ -410,7 +481,7 @@ bool Snapshotter::enabled() const { return impl_->enabled && !impl_->refused; }
 const std::string& Snapshotter::restoredFrom() const { return impl_->restoredFrom; }
 
 void Snapshotter::wait() {
-  if (impl_->worker.joinable()) impl_->worker.join();
+  impl_->worker.wait();
 }
 
 void Snapshotter::step(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer) {
@@ -441,13 +512,23 @@ void Snapshotter::save(FullyShardedDataParallel& model, torch::optim::Optimizer*
   if (!enabled()) return;
   // Buffers change in the next forward: copied now (they are small); shards and optimizer state
   // only change at the next optimizer step, after wait().
+  const ShardLayout layout = model->shardLayout();
+  std::vector<std::int64_t> layoutKey{d.runtime.worldSize(), layout.shardSize};
+  for (const auto& flat : layout.flats) layoutKey.push_back(flat.numel);
+  const bool sameLayout = layoutKey == d.metaOf;
   auto state = describeRank(model, optimizer, progress, d.runtime.rank(), d.runtime.worldSize(), /*copy=*/false,
-                            /*buffers=*/false, /*withMeta=*/true, /*everyReplica=*/true);
-  state.meta["primary_replica"] = model->shardLayout().primaryReplica;
+                            /*buffers=*/false, /*withMeta=*/!sameLayout, /*everyReplica=*/true);
+  if (sameLayout) {
+    refreshMeta(d.meta, layout, optimizer, progress);
+  } else {
+    d.meta = std::move(state.meta);
+    d.metaOf = std::move(layoutKey);
+  }
+  d.meta["primary_replica"] = layout.primaryReplica;
   addBuffers(state.plan, model, /*copy=*/true);
-  d.worker = std::thread([&d, plan = std::move(state.plan), meta = std::move(state.meta), step = progress.step]() mutable {
+  d.worker.run([&d, plan = std::move(state.plan), step = progress.step]() mutable {
     try {
-      d.write(std::move(plan), std::move(meta), step);
+      d.write(std::move(plan), d.meta, step);
     } catch (const std::exception& e) {
       d.refused = true;
       log::warn("rank {}: an in-memory snapshot of step {} failed ({}); snapshots are off for this run", d.runtime.rank(),

@@ -66,6 +66,8 @@ std::uint64_t fileBytes(int fd);
 
 // The header JSON of a piece; throws Error (naming `where`) when the prefix is not a piece's.
 std::string readPieceHeader(int fd, const std::string& where);
+// The same check of the prefix, without reading the header: the header's length.
+std::uint64_t checkPiecePrefix(int fd, const std::string& where);
 // Where the data of a piece whose header JSON is `headerBytes` long starts.
 inline std::uint64_t dataOffsetFor(std::uint64_t headerBytes) {
   return (kPrefixBytes + headerBytes + kAlign - 1) / kAlign * kAlign;
