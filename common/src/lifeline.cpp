@@ -130,12 +130,15 @@ std::optional<int> exitingStatus(pid_t pid) {
   std::string field;
   unsigned long flags = 0;
   constexpr unsigned long kPfExiting = 0x4;  // include/linux/sched.h
-  for (int n = 3; fields >> field; ++n) {
-    if (n == 9) flags = std::stoul(field);
-    if (n == 52) {  // exit_code, as waitpid reports it (Linux 3.5+)
-      if ((flags & kPfExiting) == 0) return std::nullopt;
-      return std::stoi(field);
+  try {
+    for (int n = 3; fields >> field; ++n) {
+      if (n == 9) flags = std::stoul(field);
+      if (n == 52) {  // exit_code, as waitpid reports it (Linux 3.5+)
+        if ((flags & kPfExiting) == 0) return std::nullopt;
+        return std::stoi(field);
+      }
     }
+  } catch (const std::exception&) {  // a field that is not a number: /proc cannot say
   }
   return std::nullopt;
 }

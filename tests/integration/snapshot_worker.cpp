@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -105,6 +106,11 @@ int main(int argc, char** argv) {
       snapshots.step(model, optimizer);
     }
     ++step;
+    // The state's hash goes to disk before its snapshot can exist, whole (renamed into place): the
+    // agent stops this rank as soon as a peer dies, maybe in the middle of this step.
+    const std::string hashFile = out + "/hash_" + std::to_string(rt->rank()) + "_" + std::to_string(step);
+    std::ofstream(hashFile + ".tmp") << stateHash(model, optimizer) << "\n";
+    std::filesystem::rename(hashFile + ".tmp", hashFile);
     snapshots.save(model, &optimizer, {.step = step});
     // Views of the frozen state (a checkpoint writer's) must not stop the next step from
     // writing into a snapshot again.
@@ -121,8 +127,6 @@ int main(int argc, char** argv) {
       }
       for (const auto& t : held) values.push_back(t.clone());
     }
-    std::ofstream(out + "/hash_" + std::to_string(rt->rank()) + "_" + std::to_string(step)) << stateHash(model, optimizer)
-                                                                                           << "\n";
     if (!restarted && rt->rank() == 1 && step == killStep) {
       snapshots.wait();
       ::kill(::getpid(), SIGKILL);
