@@ -11,16 +11,14 @@
 #include <sys/socket.h>
 
 #include <algorithm>
-#include <condition_variable>
 #include <cstring>
-#include <functional>
-#include <mutex>
 #include <fstream>
 #include <list>
 #include <set>
 #include <thread>
 
 #include "checkpoint_internal.hpp"
+#include "job_thread.hpp"
 #include "fsdp/common/log.hpp"
 #include "fsdp/common/snapshot_wire.hpp"
 #include "fsdp/worker/runtime.hpp"
@@ -108,58 +106,6 @@ bool forEachStateTensor(FullyShardedDataParallel& model, torch::optim::Optimizer
   }
   return true;
 }
-
-// Runs one job at a time on a thread that lives as long as its owner, started with the first
-// job. (A thread per snapshot cost a clone, a fresh stack's page faults and, at its exit, an
-// unmap that interrupts the training thread's core, every step.)
-class JobThread {
- public:
-  JobThread() = default;
-  JobThread(const JobThread&) = delete;
-  JobThread& operator=(const JobThread&) = delete;
-  ~JobThread() {
-    if (!thread_.joinable()) return;
-    {
-      std::scoped_lock lock(mutex_);
-      stopping_ = true;
-    }
-    changed_.notify_all();
-    thread_.join();
-  }
-  // Runs `job` once the previous one is done; the caller waits for it with wait().
-  void run(std::function<void()> job) {
-    wait();
-    {
-      std::scoped_lock lock(mutex_);
-      job_ = std::move(job);
-    }
-    if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
-    changed_.notify_all();
-  }
-  void wait() {
-    std::unique_lock lock(mutex_);
-    changed_.wait(lock, [&] { return !job_; });
-  }
-
- private:
-  void loop() {
-    std::unique_lock lock(mutex_);
-    for (;;) {
-      changed_.wait(lock, [&] { return job_ || stopping_; });
-      if (!job_) return;  // stopping, nothing left to do
-      lock.unlock();
-      job_();  // the job catches what it throws
-      lock.lock();
-      job_ = nullptr;
-      changed_.notify_all();
-    }
-  }
-  std::mutex mutex_;
-  std::condition_variable changed_;
-  std::function<void()> job_;  // set while a job waits or runs
-  bool stopping_ = false;
-  std::thread thread_;
-};
 
 // A piece's header: `base` (rank, world, step, round), the blocks and the rank's metadata,
 // written out without copying the metadata (a large table of parameters for a big model).
