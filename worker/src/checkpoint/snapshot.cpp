@@ -15,13 +15,12 @@
 #include <fstream>
 #include <list>
 #include <set>
-#include <thread>
 
 #include "checkpoint_internal.hpp"
-#include "job_thread.hpp"
 #include "fsdp/common/log.hpp"
 #include "fsdp/common/snapshot_wire.hpp"
 #include "fsdp/worker/runtime.hpp"
+#include "job_thread.hpp"
 
 namespace fsdp::worker {
 
