@@ -62,14 +62,19 @@ void killFigures(const Observed& seen, nlohmann::json& line) {
     }
     if (!resume && l.value("type", "") == "resume" && t > killTime) resume = i;
   }
-  line["kill_step"] = before;
   line["step_ms"] = stepMs(seen.lines);
   if (!resume) {
+    line["kill_step"] = before;
     line["error"] = "no resume line after the kill in the metrics file";
     return;
   }
   const auto& r = seen.lines[*resume];
   const long long resumed = r.value("step", 0LL);
+  // Rank 0 stamps a train line after the step's metrics are reduced, so on a loaded machine the
+  // line of a step every rank had finished (and snapshotted) can bear a time after the kill. A
+  // resume from step R proves every rank had finished R before the kill: that bounds it too.
+  before = std::max(before, resumed);
+  line["kill_step"] = before;
   line["resumed_step"] = resumed;
   line["steps_redone"] = before - resumed;
   line["source"] = r.value("source", "");
