@@ -29,6 +29,7 @@
 #include "fsdp/common/sha256.hpp"
 #include "fsdp/worker/runtime.hpp"
 #include "fsdp/worker/snapshot.hpp"
+#include "fsdp/worker/torch_compat.hpp"
 
 namespace {
 
@@ -41,8 +42,9 @@ std::string stateHash(fsdp::FullyShardedDataParallel& model, torch::optim::Optim
   for (const auto& p : model->parameters()) add(p);
   // In parameter order: the state map's own order follows tensor addresses, which a restart changes.
   for (const auto& p : model->parameters()) {
-    const auto it = optimizer.state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
-    if (it == optimizer.state().end()) continue;
+    const auto& states = optimizer.state();
+    const auto it = states.find(fsdp::worker::compat::optimizerStateKey(states, p));
+    if (it == states.end()) continue;
     const auto& adam = static_cast<const torch::optim::AdamParamState&>(*it->second);
     add(adam.exp_avg());
     add(adam.exp_avg_sq());

@@ -107,8 +107,6 @@ struct OptimizerState {
 };
 
 std::string optimizerKind(const torch::optim::Optimizer& o);
-// The key of `param`'s entry in a LibTorch optimizer's state().
-std::string optimizerStateKey(const at::Tensor& param);
 std::optional<OptimizerState> readState(torch::optim::Optimizer& o, const std::string& kind,
                                         const at::Tensor& param);
 void writeState(torch::optim::Optimizer& o, const std::string& kind, const at::Tensor& param,

@@ -8,6 +8,7 @@
 #include <torch/optim/sgd.h>
 
 #include "checkpoint_internal.hpp"
+#include "fsdp/worker/torch_compat.hpp"
 
 namespace fsdp::worker::detail {
 
@@ -21,14 +22,10 @@ std::string optimizerKind(const torch::optim::Optimizer& o) {
                     "RMSprop and Adagrad can; LBFGS keeps history that does not shard)");
 }
 
-std::string optimizerStateKey(const at::Tensor& param) {
-  return c10::guts::to_string(param.unsafeGetTensorImpl());
-}
-
 std::optional<OptimizerState> readState(torch::optim::Optimizer& o, const std::string& kind,
                                         const at::Tensor& param) {
   auto& states = o.state();
-  const auto it = states.find(optimizerStateKey(param));
+  const auto it = states.find(compat::optimizerStateKey(states, param));
   if (it == states.end()) return std::nullopt;
   OptimizerState out;
   const auto put = [&out](const char* name, const at::Tensor& t) {
@@ -98,7 +95,7 @@ void writeState(torch::optim::Optimizer& o, const std::string& kind, const at::T
   } else {
     throw ConfigError("checkpoint: unknown optimizer kind '" + kind + "'");
   }
-  o.state()[optimizerStateKey(param)] = std::move(state);
+  o.state()[compat::optimizerStateKey(o.state(), param)] = std::move(state);
 }
 
 std::vector<std::string> optimizerStateNames(const Manifest& m) {

@@ -1,8 +1,11 @@
 // An optimizer step that writes its results into new memory (snapshot.hpp, detail::stepInto):
-// Adam's and AdamW's operations as LibTorch 1.13's step() performs them, with each first write
-// to a tensor made out of place. The kernels are the same (an in-place ATen op is its out=
-// variant with out = self), so the values are the same bits; the memory traffic is the same
-// too, so a snapshot whose tensors are the step's outputs costs no copy.
+// Adam's and AdamW's operations as LibTorch's step() performs them, with each first write to a
+// tensor made out of place. The kernels are the same (an in-place ATen op is its out= variant
+// with out = self), so the values are the same bits; the memory traffic is the same too, so a
+// snapshot whose tensors are the step's outputs costs no copy. The operations and their order
+// are those of torch/csrc/api/src/optim/adam.cpp and adamw.cpp in 1.13 and in 2.x alike (2.x
+// changed only the state's key: torch_compat.hpp). snapshot_step_test compares against the
+// step() of the LibTorch it is built with, so a later change of arithmetic fails there.
 #include <ATen/ScalarOps.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
@@ -11,6 +14,7 @@
 
 #include "checkpoint_internal.hpp"
 #include "fsdp/worker/snapshot.hpp"
+#include "fsdp/worker/torch_compat.hpp"
 
 namespace fsdp::worker::detail {
 
@@ -38,7 +42,7 @@ bool adamLike(at::Tensor& scratch, torch::optim::Optimizer& o, bool decoupled, c
     const auto& options = static_cast<const Options&>(group.options());
     for (const auto& p : group.params()) {
       if (!p.grad().defined()) continue;
-      const auto it = o.state().find(optimizerStateKey(p));
+      const auto it = o.state().find(compat::optimizerStateKey(o.state(), p));
       if (it == o.state().end()) return false;  // the first step creates the state in place
       const auto& s = static_cast<const State&>(*it->second);
       if (!p.is_contiguous() || !steppable(p.grad(), p) || !steppable(s.exp_avg(), p) ||
@@ -52,7 +56,7 @@ bool adamLike(at::Tensor& scratch, torch::optim::Optimizer& o, bool decoupled, c
     const auto& options = static_cast<const Options&>(group.options());
     for (auto& p : group.params()) {
       if (!p.grad().defined()) continue;
-      auto& s = static_cast<State&>(*o.state().at(optimizerStateKey(p)));
+      auto& s = static_cast<State&>(*o.state().at(compat::optimizerStateKey(o.state(), p)));
       Moved to{place(p, "param"), place(p, "exp_avg"), place(p, "exp_avg_sq"),
                options.amsgrad() ? place(p, "max_exp_avg_sq") : at::Tensor()};
       at::Tensor grad = p.grad();

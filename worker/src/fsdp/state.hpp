@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "fsdp/worker/fsdp.hpp"
+#include "fsdp/worker/torch_compat.hpp"
 #include "full_buffer.hpp"
 
 namespace fsdp::worker::detail {
@@ -24,7 +25,7 @@ struct ParamSlot {
   std::int64_t numel = 0;
   std::vector<std::int64_t> shape;
   std::size_t originalIndex = 0;  // position in the module's named_parameters()
-  std::shared_ptr<torch::autograd::Node> accumulator;  // held: autograd keeps only a weak_ptr
+  compat::GradAccumulatorPtr accumulator;  // held: autograd keeps only a weak reference
 };
 
 struct FlatParam {
