@@ -326,6 +326,9 @@ class GlooCommunicator final : public Communicator {
 
 }  // namespace
 
+bool glooAvailable() { return true; }
+const char* glooUnavailableReason() { return ""; }
+
 std::unique_ptr<Communicator> createGlooCommunicator(rendezvous::StoreClient& store,
                                                      const GlooOptions& options) {
   if (options.size < 1 || options.rank < 0 || options.rank >= options.size) {

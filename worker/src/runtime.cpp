@@ -195,6 +195,10 @@ std::unique_ptr<Runtime> init(const InitOptions& options) {
        .token = token});
   const auto requested = processEnv()("FSDPRUN_BACKEND");
   auto choice = chooseBackend(requested, options.backend, probeBackends(), env.localRank, env.localWorldSize);
+  if (choice.backend == Backend::kGloo && !glooAvailable() && choice.reason.rfind("auto", 0) != 0) {
+    throw ConfigError(choice.reason + ": this libfsdp has no Gloo: " + glooUnavailableReason() +
+                      "; expected shm, nccl or auto");
+  }
   const std::string round = Runtime::roundPrefixFor(env.round);
   const bool oneNode = env.localWorldSize == env.worldSize;
   // The staging slot of the shared-memory communicators (a bad value is an error, never a
@@ -249,11 +253,27 @@ std::unique_ptr<Runtime> init(const InitOptions& options) {
               choice.reason);
     return std::make_unique<Runtime>(std::move(env), std::move(store), std::move(shm), nullptr, Backend::kShm);
   }
-  auto gloo = createGlooCommunicator(*store, {.rank = env.rank,
-                                              .size = env.worldSize,
-                                              .localAddress = env.localAddress,
-                                              .storePrefix = round + "gloo/world",
-                                              .timeout = options.timeout});
+  // The CPU world: Gloo; in a build without Gloo (LibTorch has its own copy), shared memory,
+  // which reaches the ranks of one node only.
+  std::unique_ptr<Communicator> gloo;
+  if (glooAvailable()) {
+    gloo = createGlooCommunicator(*store, {.rank = env.rank,
+                                           .size = env.worldSize,
+                                           .localAddress = env.localAddress,
+                                           .storePrefix = round + "gloo/world",
+                                           .timeout = options.timeout});
+  } else if (oneNode) {
+    gloo = createShmCommunicator(*store, {.rank = env.rank,
+                                          .size = env.worldSize,
+                                          .storePrefix = round + "shm/cpu",
+                                          .runId = env.runId,
+                                          .slotBytes = slotBytes,
+                                          .timeout = options.timeout});
+  } else {
+    throw ConfigError(std::string("fsdp::init: ") + std::to_string(env.worldSize / env.localWorldSize) +
+                      " nodes need CPU collectives across nodes, and this libfsdp has no Gloo: " +
+                      glooUnavailableReason());
+  }
   std::unique_ptr<Communicator> nccl;
   if (choice.backend == Backend::kNccl) {
     nccl = createNcclCommunicator(*store, {.rank = env.rank,

@@ -22,6 +22,13 @@ struct GlooOptions {
   std::chrono::milliseconds timeout{300000};
 };
 
+// Whether this libfsdp has Gloo. A build against a LibTorch that carries its own copy of Gloo
+// (PyTorch's wheels) leaves ours out (cmake/FsdpGloo.cmake); createGlooCommunicator then throws
+// ConfigError with glooUnavailableReason(), and fsdp::init() uses shared memory inside a node.
+bool glooAvailable();
+// Why Gloo is not in this build ("" when it is).
+const char* glooUnavailableReason();
+
 // Connects the full mesh (blocks until every rank arrived or the timeout passes; throws
 // TimeoutError/NetworkError naming the rank and the store). The store client must outlive
 // the call only; the communicator owns its own background thread.

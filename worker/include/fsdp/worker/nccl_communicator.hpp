@@ -1,23 +1,30 @@
 #pragma once
 // The NCCL backend (CUDA tensors). Built when CMake finds the CUDA runtime and NCCL
-// (FSDP_HAVE_NCCL); with a CUDA LibTorch, operations are ordered against PyTorch's current
-// stream of the communicator's device, otherwise against the legacy default stream.
+// (FSDP_HAVE_NCCL). The compute stream of an operation is the launching thread's current stream
+// at launch (PyTorch's is per thread; the legacy default stream without a CUDA LibTorch): its
+// Work::wait(), an abort and the release of its tensors are ordered against that stream, from
+// whichever thread they run.
 //
 // The unique id: rank 0 draws it and publishes it under `storePrefix` (fsdp::init() puts that
-// under the round, "round/<n>/nccl/world"), the others wait for it with the timeout, and rank 0
-// deletes it once every rank has read it: a new round never sees an old id.
+// under the round, "round/<n>/nccl/world"), the others wait for it, and rank 0 deletes it once
+// every rank has read it, or when the exchange fails: a new round never sees an old id.
 //
-// Initialisation is non-blocking (ncclCommInitRankConfig, blocking = 0) and bounded by the
-// timeout. Collectives run on a dedicated communication stream: each waits for an event
-// recorded on the compute stream; Work::wait() makes the compute stream wait for the
-// operation's completion event without blocking the host (barrier() blocks the host, bounded).
-// The tensors of an operation stay referenced until its event completed (no recordStream).
+// Initialisation is non-blocking (ncclCommInitRankConfig, blocking = 0); the exchange and the
+// initialisation together are bounded by the timeout. Collectives run on a dedicated
+// communication stream: each waits for an event recorded on the compute stream; Work::wait()
+// makes the compute stream wait for the operation's completion event without blocking the host
+// (barrier() blocks the host, bounded). Events come from a pool. The tensors of an operation
+// stay referenced until its event completed (no recordStream).
 //
 // A watchdog thread per communicator sleeps while nothing is in flight and otherwise checks,
 // every millisecond, completion events, ncclCommGetAsyncError and each operation's deadline.
 // On a failure it aborts the communicator (ncclCommAbort, which also ends kernels stuck on a
 // dead peer), and every pending and later operation throws fsdp::Error naming the rank, the
-// operation and the cause.
+// operation and the cause. No lock is held while a non-blocking call settles.
+//
+// Destruction: during stack unwinding, or after a failure, the communicator is aborted at once;
+// otherwise operations in flight finish and it is finalized, within one timeout (aborted past
+// it).
 
 #include <chrono>
 #include <memory>
@@ -33,7 +40,8 @@ struct NcclOptions {
   int size = 1;
   int device = 0;  // CUDA device index of this rank (fsdp::init(): LOCAL_RANK modulo the visible)
   std::string storePrefix = "nccl";
-  // Bound on the unique-id exchange, on initialisation and on every operation.
+  // Bound on the unique-id exchange and initialisation together, on every operation, and on the
+  // close (waiting for operations in flight and finalizing together).
   std::chrono::milliseconds timeout{300000};
 };
 

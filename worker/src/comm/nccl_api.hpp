@@ -1,0 +1,115 @@
+#pragma once
+// The seam between the NCCL communicator and CUDA/NCCL: the handful of runtime and NCCL calls it
+// makes, behind one interface, so that its logic (streams, locks, failures, shutdown) runs in
+// CPU tests over a fake (tests/unit/worker/fake_nccl_api.hpp). Nothing here includes CUDA: the
+// handles are opaque, and only nccl_cuda_api.cpp knows cudart and nccl.h.
+//
+// Thread-safety: every call may come from any thread (as cudart and NCCL allow: one
+// communicator's calls are serialised by its NcclQueue).
+
+#include <c10/core/ScalarType.h>
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "fsdp/worker/communicator.hpp"
+
+namespace fsdp::worker::detail {
+
+using CudaStream = void*;  // cudaStream_t
+using CudaEvent = void*;   // cudaEvent_t
+using NcclComm = void*;    // ncclComm_t
+
+inline constexpr std::size_t kNcclUniqueIdBytes = 128;  // sizeof(ncclUniqueId)
+
+// What one call answered: done, still in progress (a non-blocking NCCL call not settled yet,
+// an event not reached yet), or failed, with CUDA's or NCCL's words for why.
+struct ApiResult {
+  enum class Code { kDone, kPending, kFailed };
+  Code code = Code::kDone;
+  std::string cause;  // kFailed only
+
+  static ApiResult done() { return {}; }
+  static ApiResult pending() { return {Code::kPending, {}}; }
+  static ApiResult failed(std::string why) { return {Code::kFailed, std::move(why)}; }
+  bool isDone() const { return code == Code::kDone; }
+  bool isPending() const { return code == Code::kPending; }
+  bool isFailed() const { return code == Code::kFailed; }
+};
+
+// A handle made by a call, valid when `result` is done (pending too, for a non-blocking init).
+template <typename Handle>
+struct Made {
+  ApiResult result;
+  Handle handle{};
+};
+
+// The dtypes NCCL reduces and moves (the communicator refuses the others before issuing).
+inline bool ncclSupports(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat:
+    case at::kDouble:
+    case at::kHalf:
+    case at::kBFloat16:
+    case at::kInt:
+    case at::kLong:
+    case at::kByte:
+    case at::kChar:
+      return true;
+    default:
+      return false;
+  }
+}
+
+class NcclApi {
+ public:
+  virtual ~NcclApi() = default;
+
+  // CUDA runtime. deviceCount(): 0 without a driver or device; currentDevice(): -1 unknown.
+  virtual int deviceCount() = 0;
+  virtual int currentDevice() = 0;
+  virtual ApiResult setDevice(int device) = 0;
+  // The stream LibTorch computes on for `device` in the *calling thread* (PyTorch's current
+  // stream is per thread; the legacy default stream without a CUDA LibTorch).
+  virtual CudaStream currentStream(int device) = 0;
+  virtual Made<CudaStream> createStream() = 0;  // non-blocking, on the current device
+  virtual void destroyStream(CudaStream stream) = 0;
+  virtual Made<void*> allocate(std::size_t bytes) = 0;
+  virtual void release(void* memory) = 0;
+  virtual Made<CudaEvent> createEvent() = 0;  // timing disabled
+  virtual void destroyEvent(CudaEvent event) = 0;
+  virtual ApiResult recordEvent(CudaEvent event, CudaStream stream) = 0;
+  // Done: the event's last record was reached; pending: not yet.
+  virtual ApiResult queryEvent(CudaEvent event) = 0;
+  // `stream` waits (on the device, not the host) for `event`'s record made before this call.
+  virtual ApiResult streamWaitEvent(CudaStream stream, CudaEvent event) = 0;
+  virtual ApiResult synchronizeStream(CudaStream stream) = 0;  // blocks the host
+
+  // NCCL.
+  virtual Made<std::string> uniqueId() = 0;  // kNcclUniqueIdBytes bytes
+  // Non-blocking (config.blocking = 0): the handle comes back at once, the result may be
+  // pending; commAsyncError() tells when it settled.
+  virtual Made<NcclComm> commInitRank(int size, const std::string& uniqueId, int rank) = 0;
+  // Done: healthy and nothing pending; pending: a non-blocking call still settles; failed.
+  virtual ApiResult commAsyncError(NcclComm comm) = 0;
+  virtual ApiResult commFinalize(NcclComm comm) = 0;  // non-blocking too
+  virtual void commDestroy(NcclComm comm) = 0;
+  // Ends the communicator and the kernels it has queued, even those stuck on a dead peer.
+  virtual void commAbort(NcclComm comm) = 0;
+  virtual ApiResult allReduce(const void* send, void* recv, std::size_t count, at::ScalarType type,
+                              ReduceOp op, NcclComm comm, CudaStream stream) = 0;
+  virtual ApiResult allGather(const void* send, void* recv, std::size_t countPerRank,
+                              at::ScalarType type, NcclComm comm, CudaStream stream) = 0;
+  virtual ApiResult reduceScatter(const void* send, void* recv, std::size_t countPerRank,
+                                  at::ScalarType type, ReduceOp op, NcclComm comm,
+                                  CudaStream stream) = 0;
+  virtual ApiResult broadcast(const void* send, void* recv, std::size_t count, at::ScalarType type,
+                              int root, NcclComm comm, CudaStream stream) = 0;
+};
+
+// The real one, over cudart and NCCL (nccl_cuda_api.cpp). Throws ConfigError in a build
+// without NCCL.
+std::shared_ptr<NcclApi> cudaNcclApi();
+
+}  // namespace fsdp::worker::detail
