@@ -5,6 +5,10 @@
 #   make build   install what is missing, build
 #   make fuzz-fsdp FUZZ_SECONDS=N   generated FSDP cases against one process for N seconds
 #   make chaos CHAOS_SECONDS=N      an elastic job under random kills and freezes for N seconds
+#   make gpu-bundle     fetch what a bare GPU machine lacks into .deps (scripts/gpu-bundle)
+#   make test-stripped  the CPU test suite built from .deps alone, system copies hidden (root)
+#   make gpu-check-build  scripts/gpu-check --build-only: the GPU check up to the GPU boundary
+#   make torch2-check     every LibTorch-using file, syntax only, against Debian sid's LibTorch 2.x
 SANITIZE ?= 0
 ifeq ($(SANITIZE),1)
 BUILD_DIR ?= build-asan
@@ -18,7 +22,7 @@ JOBS ?= $(shell nproc)
 export CCACHE_SLOPPINESS := pch_defines,time_macros,include_file_mtime,include_file_ctime
 export CCACHE_MAXSIZE ?= 5G
 
-.PHONY: all deps configure build test demo bench fuzz fuzz-fsdp chaos clean format
+.PHONY: all deps configure build test demo bench fuzz fuzz-fsdp chaos clean format gpu-bundle test-stripped gpu-check-build torch2-check
 
 all: build
 
@@ -62,8 +66,20 @@ CHAOS_SECONDS ?= 600
 chaos: build
 	CHAOS_SECONDS=$(CHAOS_SECONDS) $(BUILD_DIR)/bin/system_chaos
 
+gpu-bundle:
+	scripts/gpu-bundle
+
+test-stripped: deps gpu-bundle
+	scripts/gpu-bundle --stripped-test -j $(JOBS) $(CTEST_ARGS)
+
+gpu-check-build: deps
+	scripts/gpu-check --build-only
+
+torch2-check: build
+	scripts/torch2-check --build-dir $(BUILD_DIR) -j $(JOBS)
+
 format:
 	find common rendezvous launcher slurm worker examples tests bench -name '*.[ch]pp' | xargs clang-format -i
 
 clean:
-	rm -rf build build-asan build-fuzz
+	rm -rf build build-asan build-fuzz build-gpu build-bundle

@@ -1,6 +1,8 @@
 // Tests labelled `gpu`: the NCCL path on real devices. Ranks are threads of this process, one
-// CUDA device each (as many ranks as visible devices, at most 4), with a real store on
-// loopback, a Gloo communicator and an NCCL communicator per rank. Each test skips, naming
+// CUDA device each (as many ranks as visible devices, at most 4: NCCL refuses two ranks on one
+// device, so one GPU means world size 1), with a real store on loopback, a CPU communicator
+// (Gloo, or shared memory in a build against a LibTorch with its own Gloo) and an NCCL
+// communicator per rank. Each test skips, naming
 // why, where this build or machine cannot run it (no NCCL in the build, a CPU LibTorch, no
 // device). scripts/gpu-check runs them on a machine with a GPU.
 #include <gtest/gtest.h>
@@ -18,6 +20,7 @@
 #include "fsdp/worker/fsdp.hpp"
 #include "fsdp/worker/gloo_communicator.hpp"
 #include "fsdp/worker/nccl_communicator.hpp"
+#include "fsdp/worker/shm_communicator.hpp"
 
 namespace {
 
@@ -41,8 +44,9 @@ struct GpuRank {
   int rank;
   int world;
   at::Device device;
-  fw::Communicator& gloo;
+  fw::Communicator& gloo;  // the CPU reference (Gloo or shared memory)
   fw::Communicator& nccl;
+  fw::Communicator& replicate;
 };
 
 // Runs `body` on one thread per device (at most 4), each with its Gloo and NCCL communicator.
@@ -55,11 +59,18 @@ void runGpuRanks(const std::function<void(GpuRank&)>& body) {
       const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(r));
       const c10::DeviceGuard guard(device);
       auto store = fsdp::rendezvous::StoreClient::connect("127.0.0.1", server.port(), {.timeout = 60s});
-      auto gloo = fw::createGlooCommunicator(*store, {.rank = r, .size = world, .storePrefix = "gloo", .timeout = 60s});
+      auto gloo = fw::glooAvailable()
+                      ? fw::createGlooCommunicator(*store, {.rank = r, .size = world, .storePrefix = "gloo", .timeout = 60s})
+                      : fw::createShmCommunicator(*store, {.rank = r, .size = world, .storePrefix = "shm",
+                                                           .runId = "gpu-test", .timeout = 60s});
       auto nccl = fw::createNcclCommunicator(
           *store, {.rank = r, .size = world, .device = r, .storePrefix = "nccl", .timeout = 60s});
-      GpuRank ctx{r, world, device, *gloo, *nccl};
+      // HYBRID_SHARD's replicate group: a second NCCL communicator over the same ranks.
+      auto replicate = fw::createNcclCommunicator(
+          *store, {.rank = r, .size = world, .device = r, .storePrefix = "nccl-replicate", .timeout = 60s});
+      GpuRank ctx{r, world, device, *gloo, *nccl, *replicate};
       body(ctx);
+      replicate->barrier().wait();
       nccl->barrier().wait();
       gloo->barrier().wait();
     }));
@@ -118,8 +129,10 @@ TEST(GpuNccl, BadInputsAreNamedBeforeAnythingRuns) {
 }
 
 // A small model trained for 3 steps with FSDP over NCCL must equal one process on the global
-// batch (the same model on this device), parameter by parameter.
-void trainAndCompare(const fw::FsdpOptions& base, double rtol, double atol) {
+// batch (the same model on this device), parameter by parameter. With `exactAtOneRank`, a world
+// of one rank must give the same bits: nothing is reduced across ranks, so FSDP may only move
+// parameters, never change the arithmetic.
+void trainAndCompare(const fw::FsdpOptions& base, double rtol, double atol, bool exactAtOneRank = false) {
   runGpuRanks([&](GpuRank& g) {
     const auto make = [&] {
       torch::manual_seed(7);
@@ -130,6 +143,10 @@ void trainAndCompare(const fw::FsdpOptions& base, double rtol, double atol) {
     };
     auto options = base;
     options.autoWrap = fw::AutoWrapPolicy::minParams(1000);
+    if (options.strategy == fw::ShardingStrategy::kHybridShard) {
+      options.shardGroup = &g.nccl;
+      options.replicateGroup = &g.replicate;
+    }
     fw::FullyShardedDataParallel model(make(), g.nccl, options);
     auto reference = make();
     torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
@@ -154,6 +171,12 @@ void trainAndCompare(const fw::FsdpOptions& base, double rtol, double atol) {
     ASSERT_EQ(full.size(), expected.size());
     for (const auto& [name, value] : full) {
       const auto want = expected[name].detach().cpu();
+      if (exactAtOneRank && g.world == 1) {
+        EXPECT_TRUE(at::equal(value.cpu().to(at::kFloat), want))
+            << name << ": not bit-identical at one rank; max difference "
+            << (value.cpu().to(at::kFloat) - want).abs().max().item<double>();
+        continue;
+      }
       EXPECT_TRUE(at::allclose(value.cpu().to(at::kFloat), want, rtol, atol))
           << name << " on rank " << g.rank << ": max difference "
           << (value.cpu().to(at::kFloat) - want).abs().max().item<double>();
@@ -164,7 +187,16 @@ void trainAndCompare(const fw::FsdpOptions& base, double rtol, double atol) {
 TEST(GpuFsdp, FullShardOnCudaEqualsOneProcess) {
   SKIP_WITHOUT_GPU();
   // cuBLAS may use TF32 for fp32 matmuls where allowed; the reference runs on the same device.
-  trainAndCompare({}, 1e-4, 1e-5);
+  trainAndCompare({}, 1e-4, 1e-5, /*exactAtOneRank=*/true);
+}
+
+TEST(GpuFsdp, EveryStrategyOnCudaEqualsOneProcess) {
+  SKIP_WITHOUT_GPU();
+  for (const auto strategy : {fw::ShardingStrategy::kShardGradOp, fw::ShardingStrategy::kNoShard,
+                              fw::ShardingStrategy::kHybridShard}) {
+    SCOPED_TRACE(static_cast<int>(strategy));
+    trainAndCompare({.strategy = strategy}, 1e-4, 1e-5, /*exactAtOneRank=*/true);
+  }
 }
 
 TEST(GpuFsdp, Bf16MixedPrecisionStaysCloseToFp32) {

@@ -117,7 +117,7 @@ TEST(GpuCheck, WithoutAGpuItFailsWithOneLineAndRunsNothing) {
   ASSERT_FALSE(r.timedOut);
   EXPECT_EQ(r.exitCode, 1) << r.err;
   EXPECT_EQ(r.err, "gpu-check: no NVIDIA GPU on this machine (nvidia-smi is missing or lists no GPU); "
-                   "nothing was run\n");
+                   "nothing was run (--build-only checks up to the GPU boundary)\n");
   EXPECT_EQ(r.out, "");
   EXPECT_FALSE(std::filesystem::exists("/nonexistent-must-not-be-created"));
   const auto bad = runCommand({std::string(FSDP_SOURCE_DIR) + "/scripts/gpu-check", "--steps", "0"}, 60s);
