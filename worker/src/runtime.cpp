@@ -211,15 +211,19 @@ std::unique_ptr<Runtime> init(const InitOptions& options) {
     }
     slotBytes = static_cast<std::size_t>(kb) * 1024;
   }
+  // Shared memory over every rank of this (one) node, under `prefix` in the round.
+  const auto worldShm = [&](const std::string& prefix) {
+    return createShmCommunicator(*store, {.rank = env.rank,
+                                          .size = env.worldSize,
+                                          .storePrefix = round + prefix,
+                                          .runId = env.runId,
+                                          .slotBytes = slotBytes,
+                                          .timeout = options.timeout});
+  };
   std::unique_ptr<Communicator> shm;
   if (choice.backend == Backend::kShm && oneNode && env.worldSize > 1) {
     try {
-      shm = createShmCommunicator(*store, {.rank = env.rank,
-                                           .size = env.worldSize,
-                                           .storePrefix = round + "shm/world",
-                                           .runId = env.runId,
-                                           .slotBytes = slotBytes,
-                                           .timeout = options.timeout});
+      shm = worldShm("shm/world");
     } catch (const ConfigError& e) {
       // Every rank learns the same refusal from rank 0 (no room in /dev/shm): auto falls back
       // together; a request for shm does not.
@@ -263,12 +267,7 @@ std::unique_ptr<Runtime> init(const InitOptions& options) {
                                            .storePrefix = round + "gloo/world",
                                            .timeout = options.timeout});
   } else if (oneNode) {
-    gloo = createShmCommunicator(*store, {.rank = env.rank,
-                                          .size = env.worldSize,
-                                          .storePrefix = round + "shm/cpu",
-                                          .runId = env.runId,
-                                          .slotBytes = slotBytes,
-                                          .timeout = options.timeout});
+    gloo = worldShm("shm/cpu");
   } else {
     throw ConfigError(std::string("fsdp::init: ") + std::to_string(env.worldSize / env.localWorldSize) +
                       " nodes need CPU collectives across nodes, and this libfsdp has no Gloo: " +

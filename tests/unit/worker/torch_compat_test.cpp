@@ -47,42 +47,27 @@ void expectEveryStateFound(Optimizer& optimizer, const std::vector<at::Tensor>& 
   EXPECT_EQ(found.size(), params.size());
 }
 
+// One step of `Optimizer` over fresh parameters, then every state found.
+template <typename Optimizer, typename Options>
+void expectEveryStateFoundAfterAStep(const Options& options) {
+  auto params = leaves();
+  Optimizer optimizer(params, options);
+  giveGradients(params);
+  optimizer.step();
+  expectEveryStateFound(optimizer, params);
+}
+
 // The branch this LibTorch selects (text keys on 1.13, void* keys on 2.x) finds the state that
 // LibTorch's own optimizers created, for every optimizer whose state a checkpoint saves.
 TEST(TorchCompat, StateKeyFindsWhatThisLibTorchsOptimizersCreated) {
-  {
-    auto params = leaves();
-    torch::optim::Adam adam(params, torch::optim::AdamOptions(1e-3).amsgrad(true));
-    giveGradients(params);
-    adam.step();
-    expectEveryStateFound(adam, params);
-  }
-  {
-    auto params = leaves();
-    torch::optim::AdamW adamw(params, torch::optim::AdamWOptions(1e-3));
-    giveGradients(params);
-    adamw.step();
-    expectEveryStateFound(adamw, params);
-  }
-  {
-    auto params = leaves();
-    torch::optim::SGD sgd(params, torch::optim::SGDOptions(1e-2).momentum(0.9));
-    giveGradients(params);
-    sgd.step();
-    expectEveryStateFound(sgd, params);
-  }
-  {
-    auto params = leaves();
-    torch::optim::RMSprop rmsprop(params, torch::optim::RMSpropOptions(1e-2));
-    giveGradients(params);
-    rmsprop.step();
-    expectEveryStateFound(rmsprop, params);
-  }
-  {
-    auto params = leaves();
-    torch::optim::Adagrad adagrad(params, torch::optim::AdagradOptions(1e-2));  // state at birth
-    expectEveryStateFound(adagrad, params);
-  }
+  namespace optim = torch::optim;
+  expectEveryStateFoundAfterAStep<optim::Adam>(optim::AdamOptions(1e-3).amsgrad(true));
+  expectEveryStateFoundAfterAStep<optim::AdamW>(optim::AdamWOptions(1e-3));
+  expectEveryStateFoundAfterAStep<optim::SGD>(optim::SGDOptions(1e-2).momentum(0.9));
+  expectEveryStateFoundAfterAStep<optim::RMSprop>(optim::RMSpropOptions(1e-2));
+  auto params = leaves();
+  optim::Adagrad adagrad(params, optim::AdagradOptions(1e-2));  // state at birth, before any step
+  expectEveryStateFound(adagrad, params);
 }
 
 // Shaped like 2.x's torch::optim::Optimizer where keys matter: state() is keyed by void*, and a
