@@ -2,6 +2,7 @@
 // find_package(fsdp) in a project of its own, then run under the installed fsdprun.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 
 #include "run_command.hpp"
@@ -24,8 +25,14 @@ TEST(Install, TheQuickstartBuildsAgainstTheInstalledPackageAndTrains) {
     EXPECT_TRUE(std::filesystem::exists(prefix + file)) << file;
   }
   const std::string build = dir.path() + "/build";
+  // The installed package first, then wherever this build found its own dependencies.
+  std::string prefixPath = prefix;
+  if (const std::string outer = FSDP_PREFIX_PATH; !outer.empty()) {
+    prefixPath += ";" + outer;
+    std::replace(prefixPath.begin(), prefixPath.end(), '|', ';');
+  }
   std::vector<std::string> configure = {"cmake", "-S", kSource + "/examples/quickstart", "-B", build, "-G", "Ninja",
-                                        "-DCMAKE_BUILD_TYPE=Release", "-DCMAKE_PREFIX_PATH=" + prefix};
+                                        "-DCMAKE_BUILD_TYPE=Release", "-DCMAKE_PREFIX_PATH=" + prefixPath};
   if (std::string(FSDP_SANITIZE_FLAGS).size() > 0) {  // a sanitizer build installs sanitized libraries
     configure.push_back(std::string("-DCMAKE_CXX_FLAGS=") + FSDP_SANITIZE_FLAGS);
     configure.push_back(std::string("-DCMAKE_EXE_LINKER_FLAGS=") + FSDP_SANITIZE_FLAGS);
