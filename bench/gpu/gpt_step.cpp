@@ -46,11 +46,12 @@ namespace fw = fsdp::worker;
 struct Flags {
   int steps = 30;
   int warmup = 5;
-  std::int64_t batch = 32;
-  std::int64_t block = 256;
-  std::int64_t nLayer = 8;
-  std::int64_t nHead = 8;
-  std::int64_t nEmbd = 512;
+  // GPT-2 small's shape (12 layers, 12 heads, width 768) on 512-token windows.
+  std::int64_t batch = 16;
+  std::int64_t block = 512;
+  std::int64_t nLayer = 12;
+  std::int64_t nHead = 12;
+  std::int64_t nEmbd = 768;
   std::vector<std::string> precisions{"fp32", "bf16"};
   double peakTflops = 0;  // 0: from the card's name
 };
