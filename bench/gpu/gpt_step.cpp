@@ -25,6 +25,7 @@
 #include "../../examples/gpt/model.hpp"
 #include "fsdp/common/error.hpp"
 #include "fsdp/rendezvous/store_server.hpp"
+#include "fsdp/worker/errors.hpp"
 #include "fsdp/worker/fsdp.hpp"
 #include "fsdp/worker/nccl_communicator.hpp"
 #include "fsdp/worker/shm_communicator.hpp"
@@ -240,13 +241,5 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;
   }
-  try {
-    return run(f);
-  } catch (const fsdp::ConfigError& e) {
-    std::cerr << "fsdp-gpu-bench: " << e.what() << "\n";
-    return 2;
-  } catch (const std::exception& e) {
-    std::cerr << "fsdp-gpu-bench: " << e.what() << "\n";
-    return 1;
-  }
+  return fsdp::runMain("fsdp-gpu-bench", [&] { return run(f); });
 }
