@@ -79,6 +79,7 @@ BackendProbe probeBackends() {
   BackendProbe probe;
   probe.ncclBuilt = ncclAvailable();
   probe.torchCuda = at::hasCUDA();
+  if (!glooAvailable()) probe.noGloo = glooUnavailableReason();
   // Counting devices starts the CUDA runtime: only where NCCL could be chosen at all.
   if (probe.ncclBuilt && probe.torchCuda) probe.devices = cudaDeviceCount();
   if (const auto visible = processEnv()("CUDA_VISIBLE_DEVICES")) probe.visibleDevices = "'" + *visible + "'";
@@ -92,7 +93,12 @@ BackendChoice chooseBackend(const std::optional<std::string>& envValue, Backend 
   const std::string source = fromEnv ? "FSDPRUN_BACKEND=" + *envValue
                                      : std::string("InitOptions::backend = ") + backendName(requested);
   const bool ncclPossible = probe.ncclBuilt && probe.torchCuda && probe.devices > 0;
-  if (wanted == Backend::kGloo) return {Backend::kGloo, -1, source};
+  if (wanted == Backend::kGloo) {
+    if (!probe.noGloo.empty()) {
+      throw ConfigError(source + ": this libfsdp has no Gloo: " + probe.noGloo + "; expected shm, nccl or auto");
+    }
+    return {Backend::kGloo, -1, source};
+  }
   if (wanted == Backend::kShm) return {Backend::kShm, -1, source};
   if (wanted == Backend::kAuto && !ncclPossible) {
     const std::string why = !probe.ncclBuilt   ? "this libfsdp has no NCCL"
@@ -100,6 +106,7 @@ BackendChoice chooseBackend(const std::optional<std::string>& envValue, Backend 
                                                : "no CUDA device visible";
     // Shared memory pays where a node has ranks to share it.
     if (localWorldSize > 1) return {Backend::kShm, -1, "auto: " + why + "; CPU ranks share this node's memory"};
+    if (!probe.noGloo.empty()) return {Backend::kShm, -1, "auto: " + why + "; one rank on this node, and no Gloo"};
     return {Backend::kGloo, -1, "auto: " + why + "; one rank on this node"};
   }
   if (wanted == Backend::kNccl) {
@@ -195,10 +202,6 @@ std::unique_ptr<Runtime> init(const InitOptions& options) {
        .token = token});
   const auto requested = processEnv()("FSDPRUN_BACKEND");
   auto choice = chooseBackend(requested, options.backend, probeBackends(), env.localRank, env.localWorldSize);
-  if (choice.backend == Backend::kGloo && !glooAvailable() && choice.reason.rfind("auto", 0) != 0) {
-    throw ConfigError(choice.reason + ": this libfsdp has no Gloo: " + glooUnavailableReason() +
-                      "; expected shm, nccl or auto");
-  }
   const std::string round = Runtime::roundPrefixFor(env.round);
   const bool oneNode = env.localWorldSize == env.worldSize;
   // The staging slot of the shared-memory communicators (a bad value is an error, never a

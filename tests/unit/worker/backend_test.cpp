@@ -89,6 +89,18 @@ TEST(Backend, TheEnvironmentOverridesTheProgram) {
             "FSDPRUN_BACKEND='infiniband': expected gloo, shm, nccl or auto");
 }
 
+// A libfsdp without Gloo (LibTorch has its own copy): asking for Gloo names the reason; auto
+// never picks it, and one CPU rank gets shared memory instead.
+TEST(Backend, WithoutGlooInTheBuildGlooIsRefusedAndAutoTakesSharedMemory) {
+  auto noGloo = kCpuBox;
+  noGloo.noGloo = "LibTorch has its own Gloo";
+  EXPECT_EQ(configError([&] { chooseBackend("gloo", Backend::kAuto, noGloo, 0, 1); }),
+            "FSDPRUN_BACKEND=gloo: this libfsdp has no Gloo: LibTorch has its own Gloo; expected shm, nccl or auto");
+  EXPECT_EQ(chooseBackend(std::nullopt, Backend::kAuto, noGloo, 0, 1).backend, Backend::kShm);
+  EXPECT_EQ(chooseBackend(std::nullopt, Backend::kAuto, kCpuBox, 0, 1).backend, Backend::kGloo);
+  EXPECT_EQ(chooseBackend(std::nullopt, Backend::kAuto, noGloo, 0, 4).backend, Backend::kShm);
+}
+
 TEST(Backend, NcclAskedForWithoutNcclInTheBuildNamesTheRequestAndTheWayOut) {
   auto noNccl = kGpuBox;
   noNccl.ncclBuilt = false;

@@ -63,6 +63,7 @@ struct BackendProbe {
   bool torchCuda = false;   // LibTorch was built with CUDA
   int devices = 0;          // CUDA devices visible (only counted when both above hold)
   std::string visibleDevices = "(unset)";  // CUDA_VISIBLE_DEVICES, for messages
+  std::string noGloo;       // why libfsdp was built without Gloo ("" when it has Gloo)
 };
 BackendProbe probeBackends();
 
