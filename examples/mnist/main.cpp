@@ -24,6 +24,20 @@
 #include "fsdp/worker/trainer.hpp"
 #include "models.hpp"
 
+// Test-only hangs (--fault_kind), named so that the hang report's stacks can be checked.
+extern "C" __attribute__((noinline)) void fsdp_test_spin_forever() {
+  volatile unsigned long spins = 0;
+  for (;;) spins = spins + 1;
+}
+
+extern "C" __attribute__((noinline)) void fsdp_test_block_in_read() {
+  int fds[2];
+  if (::pipe(fds) != 0) return;
+  char byte;
+  while (::read(fds[0], &byte, 1) != 0) {  // nobody writes: blocks for good
+  }
+}
+
 namespace {
 
 struct Flags {
@@ -53,6 +67,8 @@ struct Flags {
   std::string summaryFile;
   long long faultKillAtStep = 0;
   int faultKillRank = -1;
+  std::string faultKind = "kill";
+  bool faultEveryAttempt = false;
 };
 
 torch::nn::Sequential makeModel(const Flags& flags) {
@@ -108,10 +124,16 @@ int run(const Flags& flags) {
                          .keepCheckpoints = flags.keepCheckpoints,
                          .asyncCheckpoint = flags.asyncCheckpoint,
                          .snapshotEvery = flags.snapshotEvery});
-  // Test-only fault: the chosen rank SIGKILLs itself after a step, on the first attempt only.
-  if (flags.faultKillAtStep > 0 && rt->rank() == flags.faultKillRank && rt->env().restartCount == 0) {
+  // Test-only fault: the chosen rank SIGKILLs itself after a step (or hangs there: stops itself,
+  // spins, blocks in a read), on the first attempt only.
+  if (flags.faultKillAtStep > 0 && rt->rank() == flags.faultKillRank &&
+      (rt->env().restartCount == 0 || flags.faultEveryAttempt)) {
     trainer.afterStep = [&flags](std::int64_t step) {
-      if (step == flags.faultKillAtStep) ::kill(::getpid(), SIGKILL);
+      if (step != flags.faultKillAtStep) return;
+      if (flags.faultKind == "stop") ::raise(SIGSTOP);
+      if (flags.faultKind == "loop") fsdp_test_spin_forever();
+      if (flags.faultKind == "read") fsdp_test_block_in_read();
+      ::kill(::getpid(), SIGKILL);
     };
   }
   const auto result = trainer.fit(trainData, flags.noEval ? nullptr : &testData);
@@ -198,6 +220,11 @@ int main(int argc, char** argv) {
                  "Testing only: --fault_kill_rank SIGKILLs itself after this step, first attempt only")
       ->group("");
   app.add_option("--fault_kill_rank", flags.faultKillRank, "Testing only")->group("");
+  app.add_option("--fault_kind", flags.faultKind, "Testing only: kill, stop, loop or read")
+      ->check(CLI::IsMember({"kill", "stop", "loop", "read"}))
+      ->group("");
+  app.add_flag("--fault_every_attempt", flags.faultEveryAttempt, "Testing only: the fault on every attempt")
+      ->group("");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -71,6 +71,16 @@ const Spec kSpecs[] = {
      kRdzv},
     {"max_restarts", "--max_restarts,--max-restarts",
      "Restarts of the worker group after failures before giving up", kLaunch},
+    {"hang_timeout", "--hang_timeout,--hang-timeout",
+     "Seconds without a completed collective or progress mark on any rank before the job counts "
+     "as hung (libfsdp programs): the agents report who is stuck where, with stacks, and restart. "
+     "'auto' (default): 10 times the longest interval between progress marks, at least 60 s, and "
+     "180 s before the second mark; 0 turns the watchdog off",
+     kLaunch},
+    {"max_stalled_restarts", "--max_stalled_restarts,--max-stalled-restarts",
+     "Give up after this many restarts in a row in which no step completed (libfsdp programs; "
+     "default 3; 0 = never)",
+     kLaunch},
     {"monitor_interval", "--monitor_interval,--monitor-interval",
      "Accepted for torchrun compatibility; fsdprun reacts to worker exits at once", kLaunch},
     {"role", "--role", "Role name of the workers (ROLE_NAME)", kLaunch},
@@ -234,6 +244,7 @@ ParseResult parseCommandLine(int argc, const char* const* argv, const EnvLookup&
       {"rdzv_id", "none"},      {"max_restarts", "0"},     {"monitor_interval", "0.1"},
       {"role", "default"},      {"master_addr", "127.0.0.1"}, {"start_method", "spawn"},
       {"shutdown_timeout", "30"},   {"snapshot_memory_limit", "auto"},
+      {"hang_timeout", "auto"},     {"max_stalled_restarts", "3"},
   };
   std::map<std::string, bool> flags;
   std::map<std::string, CLI::Option*> cli;
@@ -335,6 +346,20 @@ ParseResult parseCommandLine(int argc, const char* const* argv, const EnvLookup&
                       "': expected a positive number of seconds");
   }
   o.monitorInterval = *interval;
+  if (text["hang_timeout"] != "auto") {
+    const auto hang = parseDouble(text["hang_timeout"]);
+    if (!hang || !(*hang >= 0) || *hang > 1e6) {
+      throw ConfigError("--hang_timeout '" + text["hang_timeout"] +
+                        "': expected 'auto', 0 (off) or a positive number of seconds");
+    }
+    o.hangTimeout = std::chrono::milliseconds(static_cast<long long>(*hang * 1000));
+  }
+  const auto stalled = parseInt(text["max_stalled_restarts"]);
+  if (!stalled || *stalled < 0 || *stalled > 1'000'000) {
+    throw ConfigError("--max_stalled_restarts '" + text["max_stalled_restarts"] +
+                      "': expected a non-negative integer");
+  }
+  o.maxStalledRestarts = static_cast<int>(*stalled);
   const auto timeout = parseDouble(text["shutdown_timeout"]);
   if (!timeout || *timeout < 0 || *timeout > 1e6) {
     throw ConfigError("--shutdown_timeout '" + text["shutdown_timeout"] +

@@ -1,5 +1,7 @@
 #include "fsdp/worker/runtime.hpp"
 
+#include "comm/recorded_communicator.hpp"
+
 #include <ATen/Context.h>
 #include <unistd.h>
 
@@ -141,9 +143,11 @@ Runtime::Runtime(WorkerEnv env, std::unique_ptr<rendezvous::StoreClient> store,
                  std::unique_ptr<Communicator> comm, std::unique_ptr<Communicator> cpuComm, Backend backend)
     : env_(std::move(env)),
       store_(std::move(store)),
-      comm_(std::move(comm)),
-      cpuComm_(std::move(cpuComm)),
-      backend_(backend) {}
+      comm_(detail::recordCollectives(std::move(comm), "world")),
+      cpuComm_(detail::recordCollectives(std::move(cpuComm), "world.cpu")),
+      backend_(backend) {
+  detail::FlightRecorder::process().attach(env_.rank);
+}
 
 // The communicators (and their threads) go before the store client they were built over.
 Runtime::~Runtime() {

@@ -17,6 +17,7 @@
 
 #include "fsdp/common/error.hpp"
 #include "fsdp/common/process.hpp"
+#include "fsdp/worker/flight_recorder.hpp"
 #include "fsdp/worker/runtime.hpp"
 
 namespace fsdp::worker {
@@ -143,6 +144,7 @@ struct Trainer::Impl {
   // Sums (or maxima) over every rank.
   std::vector<double> reduce(std::vector<double> values, ReduceOp op = ReduceOp::kSum) {
     auto t = at::tensor(values, at::kDouble);
+    const CommTag tag("trainer", "metrics");
     runtime.cpuComm().allReduce(t, op).wait();
     const auto* p = t.data_ptr<double>();
     return std::vector<double>(p, p + values.size());
@@ -214,10 +216,14 @@ EvalResult Trainer::evaluate(const Dataset& data) {
     const auto n = static_cast<double>(b.input.size(0));
     const at::Tensor out = (forward ? forward(d.model, b) : d.model->forward(b.input)).to(at::kFloat);
     lossSum += d.loss(out, b).item<double>() * n;
+    markProgress(s, "eval batch");  // a long evaluation is progress, not a hang
     if (o.accuracy) correct += out.argmax(-1).eq(b.target).sum().item<double>() / (b.target.numel() / n);
     samples += n;
   }
-  const auto sums = d.reduce({lossSum, correct, samples});
+  const auto sums = [&] {
+    CommTag tag("eval", "metrics");
+    return d.reduce({lossSum, correct, samples});
+  }();
   d.model->train();
   return {sums[2] > 0 ? sums[0] / sums[2] : 0.0, sums[2] > 0 ? sums[1] / sums[2] : 0.0,
           static_cast<std::int64_t>(sums[2])};
@@ -263,6 +269,7 @@ FitResult Trainer::fit(const Dataset& train, const Dataset* eval) {
       }
     }
     auto pick = at::full({1}, onDisk, at::kLong);
+    const CommTag tag("trainer", "resume");
     d.runtime.cpuComm().broadcast(pick, 0).wait();
     if (pick.item<std::int64_t>() > resumed->step) resumed.reset();
   }
@@ -408,6 +415,7 @@ FitResult Trainer::fit(const Dataset& train, const Dataset* eval) {
         d.optimizer.step();
       }
       ++step;
+      markProgress(step, "trainer step");
       if (d.snapshots && step % o.snapshotEvery == 0) {
         d.snapshots->save(d.model, &d.optimizer,
                           {.step = step, .position = sampler.next(item.position), .seed = o.seed,

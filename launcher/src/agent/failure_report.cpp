@@ -32,7 +32,8 @@ std::string Failure::toJson() const {
                         {"time", time},
                         {"restart_count", restartCount},
                         {"error", error},
-                        {"stderr_tail", stderrTail}}
+                        {"stderr_tail", stderrTail},
+                        {"hang", hang}}
       .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
@@ -49,7 +50,8 @@ Failure Failure::fromJson(const std::string& text) {
                    j.value("time", std::string()),
                    j.value("restart_count", 0),
                    j.value("error", std::string()),
-                   j.value("stderr_tail", std::string())};
+                   j.value("stderr_tail", std::string()),
+                   j.value("hang", std::string())};
   } catch (const nlohmann::json::exception& e) {
     throw ProtocolError(std::string("malformed failure report: ") + e.what());
   }
@@ -59,6 +61,13 @@ std::string describeFailure(const Failure& f, int maxRestarts) {
   std::ostringstream out;
   out.setf(std::ios::fixed);
   out.precision(3);
+  if (!f.hang.empty()) {
+    out << "the job hung";
+    if (f.rank >= 0) out << ", rank " << f.rank << " (on " << f.node << ", pid " << f.pid << ") first";
+    if (!f.time.empty()) out << ", at " << f.time;
+    out << " (restart " << f.restartCount << " of " << maxRestarts << ")\n" << joinLines(f.hang, "  ");
+    return out.str();
+  }
   out << "rank " << f.rank << " (local_rank " << f.localRank << " on " << f.node << ", pid "
       << f.pid << ") failed first: " << describeWaitStatus(f.waitStatus) << ", "
       << f.secondsAfterStart << " s after it started";

@@ -88,17 +88,29 @@ WorkerGroup::WorkerGroup(std::vector<WorkerSpec> specs, const OutputOptions& out
     // The child's ends of the pipes are in spawn.stdoutFd/stderrFd; close ours after exec.
     int standbyEnd = -1;
     int lifelineEnd = -1;
+    int flightEnd = -1;
     struct CloseChildEnds {
       SpawnOptions& s;
       int& standby;
       int& lifeline;
+      int& flight;
       ~CloseChildEnds() {
         if (s.stdoutFd) ::close(*s.stdoutFd);
         if (s.stderrFd) ::close(*s.stderrFd);
         if (standby >= 0) ::close(standby);
         if (lifeline >= 0) ::close(lifeline);
+        if (flight >= 0) ::close(flight);
       }
-    } closer{spawn, standbyEnd, lifelineEnd};
+    } closer{spawn, standbyEnd, lifelineEnd, flightEnd};
+    try {
+      // The worker's flight recorder: the agent keeps the mapping, so the ring stays readable
+      // however the worker ends.
+      w.flight = std::make_shared<flight::RingMemory>(flight::RingMemory::create());
+      flightEnd = ::fcntl(w.flight->fd(), F_DUPFD, 3);  // crosses exec
+      if (flightEnd >= 0) spawn.env.push_back("FSDPRUN_FLIGHT_FD=" + std::to_string(flightEnd));
+    } catch (const Error& e) {
+      log::warn("no flight recorder for local rank {} ({}): a hang of it is not seen", w.spec.localRank, e.what());
+    }
     const std::size_t index = workers_.size() - 1;
     if (index < 256) {
       try {
@@ -319,6 +331,14 @@ std::size_t WorkerGroup::running() const {
   std::size_t n = 0;
   for (const auto& w : workers_) n += w.process && !w.reported ? 1 : 0;
   return n;
+}
+
+std::vector<WatchedWorker> WorkerGroup::watched() const {
+  std::vector<WatchedWorker> out;
+  for (const auto& w : workers_) {
+    if (w.process) out.push_back({w.spec.localRank, w.spec.rank, w.process->pid(), w.flight});
+  }
+  return out;
 }
 
 std::vector<pid_t> WorkerGroup::pids() const {

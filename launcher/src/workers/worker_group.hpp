@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "fsdp/common/deadline.hpp"
+#include "fsdp/common/flight_ring.hpp"
 #include "fsdp/common/lifeline.hpp"
 #include "fsdp/common/process.hpp"
 #include "fsdp/launcher/log_spec.hpp"
@@ -42,6 +43,15 @@ struct WorkerExit {
   pid_t pid = -1;
   int status = 0;  // wait status
   double secondsAfterStart = 0;
+};
+
+// A worker as the hang watchdog sees it: who, and its flight recorder ring (the agent's
+// mapping, shared so that it outlives the group while a report is being made).
+struct WatchedWorker {
+  int localRank = 0;
+  int rank = 0;
+  pid_t pid = -1;
+  std::shared_ptr<const flight::RingMemory> ring;  // nullptr: none could be made
 };
 
 class WorkerGroup {
@@ -76,6 +86,7 @@ class WorkerGroup {
   // included, is not free before it is reaped).
   std::size_t running() const;
   std::vector<pid_t> pids() const;
+  std::vector<WatchedWorker> watched() const;
 
   // What a failed worker left: its error file's message (TORCHELASTIC_ERROR_FILE), if any,
   // and the last lines of its stderr.
@@ -110,6 +121,7 @@ class WorkerGroup {
     bool exitTold = false;         // its exit is in a reap() result already
     int activation = -1;           // a standby's pipe (write end) until activate()
     std::unique_ptr<LifelineWatch> lifeline;
+    std::shared_ptr<flight::RingMemory> flight;
   };
   void setUpStream(Worker& w, Stream& s, int bit, SpawnOptions& spawn);
   void readStream(Worker& w, Stream& s);

@@ -100,6 +100,7 @@ std::optional<TrainingProgress> Checkpointer::loadLatest(FullyShardedDataParalle
     }
   }
   auto pick = at::full({1}, chosen, at::kLong);
+  const CommTag tag("checkpoint", "pick");
   runtime_.cpuComm().broadcast(pick, 0).wait();
   chosen = pick.item<std::int64_t>();
   if (chosen < 0) return std::nullopt;
@@ -203,6 +204,7 @@ TrainingProgress loadManifest(Runtime& runtime, const Manifest& m, Reader& reade
   }
   if (!failure.empty()) runtime.store().set(errorKey, failure);
   auto failed = at::full({1}, failure.empty() ? 0.0 : 1.0, at::kDouble);
+  const CommTag tag("checkpoint", "load");
   runtime.cpuComm().allReduce(failed, ReduceOp::kMax).wait();
   if (failed.item<double>() > 0) {
     if (failure.empty()) failure = runtime.store().get(errorKey);

@@ -17,6 +17,7 @@
 #include <set>
 
 #include "checkpoint_internal.hpp"
+#include "fsdp/worker/flight_recorder.hpp"
 #include "fsdp/common/log.hpp"
 #include "fsdp/common/snapshot_wire.hpp"
 #include "fsdp/worker/runtime.hpp"
@@ -391,6 +392,7 @@ Snapshotter::Snapshotter(Runtime& runtime, SnapshotOptions options)
     }
   }
   auto all = at::full({1}, mine ? 1.0 : 0.0, at::kDouble);
+  const CommTag tag("snapshot", "agree");
   runtime.cpuComm().allReduce(all, ReduceOp::kMin).wait();
   d.enabled = all.item<double>() > 0;
   if (!d.enabled) {
@@ -453,6 +455,7 @@ bool Snapshotter::frozen(FullyShardedDataParallel& model, torch::optim::Optimize
 void Snapshotter::save(FullyShardedDataParallel& model, torch::optim::Optimizer* optimizer,
                        const TrainingProgress& progress) {
   auto& d = *impl_;
+  markProgress(progress.step, "snapshot step");
   wait();
   if (!enabled()) return;
   // Buffers change in the next forward: copied now (they are small); shards and optimizer state
@@ -524,6 +527,7 @@ std::optional<TrainingProgress> Snapshotter::restore(FullyShardedDataParallel& m
     o[kSlots + i++] = s * 65536 + w;
   }
   auto offers = at::empty({world * 2 * kSlots}, at::kLong);
+  const CommTag tag("snapshot", "restore");
   d.runtime.cpuComm().allGather(offer, offers).wait();
   const auto* all = offers.data_ptr<std::int64_t>();
   const auto everyone = [&](int base, std::int64_t value) {

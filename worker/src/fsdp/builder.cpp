@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "fsdp/common/error.hpp"
+#include "fsdp/worker/flight_recorder.hpp"
 #include "fsdp/common/sha256.hpp"
 
 namespace fsdp::worker::detail {
@@ -170,6 +171,7 @@ void FsdpBuilder::checkSameModelEverywhere() {
   // On the communicator's device (NCCL takes CUDA tensors only), read back on the host.
   mine = mine.to(comm.device());
   auto all = at::empty({kWords * comm.size()}, mine.options());
+  const CommTag tag("init", "shard layout");
   comm.allGather(mine, all).wait();
   all = all.to(at::kCPU);
   const auto* words = all.data_ptr<std::int64_t>();

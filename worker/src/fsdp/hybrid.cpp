@@ -8,6 +8,7 @@
 #include "fsdp/worker/nccl_communicator.hpp"
 #include "fsdp/worker/shm_communicator.hpp"
 #include "fsdp/worker/runtime.hpp"
+#include "comm/recorded_communicator.hpp"
 
 namespace fsdp::worker {
 
@@ -50,6 +51,8 @@ HybridGroups makeHybridGroups(rendezvous::StoreClient& store, const HybridGroupO
   }
   groups.replicate = group(node, options.worldSize / local,
                            options.storePrefix + "/replicate/" + std::to_string(localRank));
+  groups.shard = detail::recordCollectives(std::move(groups.shard), "shard/" + std::to_string(node));
+  groups.replicate = detail::recordCollectives(std::move(groups.replicate), "replicate/" + std::to_string(localRank));
   return groups;
 }
 

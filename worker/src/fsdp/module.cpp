@@ -8,6 +8,7 @@
 
 #include "builder.hpp"
 #include "fsdp/common/error.hpp"
+#include "fsdp/worker/flight_recorder.hpp"
 
 namespace fsdp::worker {
 
@@ -85,6 +86,7 @@ double FullyShardedDataParallelImpl::clipGradNorm(double maxNorm, double normTyp
   // On the communicator's device (NCCL reduces CUDA tensors only).
   auto total = at::full({1}, local, at::TensorOptions().dtype(at::kDouble).device(state_->device_));
   if (state_->shardComm_ != nullptr) {
+    const CommTag tag("clip_grad_norm");
     state_->shardComm_->allReduce(total, inf ? ReduceOp::kMax : ReduceOp::kSum).wait();
   }
   const double norm = inf ? total.item<double>() : std::sqrt(total.item<double>());
@@ -101,6 +103,7 @@ at::Tensor gatherFlat(detail::FsdpState& state, const detail::FlatParam& flat) {
   if (state.shardComm_ == nullptr) return flat.shard.detach();
   at::Tensor full = at::empty({flat.paddedNumel},
                               flat.shard.options().device(state.device_).requires_grad(false));
+  const CommTag tag("full_state_dict");
   state.shardComm_->allGather(flat.shard.detach().to(state.device_), full).wait();
   return full;
 }

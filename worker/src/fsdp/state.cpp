@@ -9,6 +9,7 @@
 #include <future>
 
 #include "fsdp/common/log.hpp"
+#include "fsdp/worker/flight_recorder.hpp"
 
 namespace fsdp::worker::detail {
 namespace {
@@ -46,6 +47,7 @@ void FsdpState::unshard(int u) {
   auto& unit = units_[static_cast<std::size_t>(u)];
   if (unit.state != UnitState::kSharded) return;
   at::NoGradGuard noGrad;
+  const CommTag tag(callbackQueued_ ? "backward" : "forward", unit.path.empty() ? "(root)" : unit.path);
   for (auto& flat : unit.flats) {
     if (flat.full.aliasing()) continue;
     flat.full.allocate();
@@ -240,6 +242,8 @@ void FsdpState::reduceGradient(int u, int f) {
   at::Tensor input = flat.fullGrad;
   flat.fullGrad = at::Tensor();  // the queued operation holds it until it is done
   if (input.scalar_type() != reduceDtype_) input = input.to(reduceDtype_);
+  const auto& unitPath = units_[static_cast<std::size_t>(u)].path;
+  const CommTag tag("backward", unitPath.empty() ? "(root)" : unitPath);
   if (shardComm_ != nullptr) {
     at::Tensor output = emptyBlock(flat.shardNumel, input.options());
     pending_.push_back({u, f, output, shardComm_->reduceScatter(input, output, ReduceOp::kAverage),
@@ -277,6 +281,8 @@ void FsdpState::finishBackward() {
 void FsdpState::startReplicaSync(PendingReduce& p) {
   if (!p.needsReplicaSync) return;
   p.work.wait();
+  const auto& unitPath = units_[static_cast<std::size_t>(p.unit)].path;
+  const CommTag tag("backward replicas", unitPath.empty() ? "(root)" : unitPath);
   p.work = gradSyncComm_->allReduce(p.output, ReduceOp::kAverage);
   p.needsReplicaSync = false;
 }

@@ -28,6 +28,7 @@ struct Failure {
   int restartCount = 0;     // TORCHELASTIC_RESTART_COUNT of the failed worker
   std::string error;        // from its TORCHELASTIC_ERROR_FILE, if it wrote one
   std::string stderrTail;   // its last stderr lines
+  std::string hang;         // the hang report, when the job hung (the rank is its first lagging one)
 
   std::string toJson() const;
   // Throws ProtocolError when malformed.

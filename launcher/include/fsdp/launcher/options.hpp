@@ -45,6 +45,10 @@ struct LaunchOptions {
   // then SIGKILL after the shutdown timeout); any other listed signal is only forwarded.
   std::vector<int> signalsToHandle;
   std::chrono::milliseconds shutdownTimeout{30000};
+  // --hang_timeout: nullopt = auto (adapts to the job, see the flag's help); 0 = off.
+  std::optional<std::chrono::milliseconds> hangTimeout;
+  // Restarts in a row without a completed step before the job gives up (0: no limit).
+  int maxStalledRestarts = 3;
   // Bytes of in-memory snapshots this node's agent may hold (0: none kept).
   std::uint64_t snapshotMemoryLimit = std::uint64_t{1} << 30;
   // Spare workers started ahead of a restart: each waits in fsdp::init() (program loaded, its

@@ -31,6 +31,8 @@ class Work {
     if (waitFn_) return waitFn_();
     done_.get();
   }
+  // Whether the host can wait on it from any thread (not device work).
+  bool onHost() const { return !waitFn_; }
   bool ready() const {
     if (readyFn_) return readyFn_();
     return done_.wait_for(std::chrono::seconds(0)) == std::future_status::ready;

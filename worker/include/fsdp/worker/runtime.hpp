@@ -22,6 +22,7 @@
 #include "fsdp/common/env.hpp"
 #include "fsdp/rendezvous/store_client.hpp"
 #include "fsdp/worker/communicator.hpp"
+#include "fsdp/worker/flight_recorder.hpp"
 
 namespace fsdp::worker {
 

@@ -1,0 +1,176 @@
+#pragma once
+// A worker's flight recorder ring: the last collectives it issued (group, sequence number,
+// operation, size, who asked, when issued, started and completed) and its progress marks, in a
+// page range of shared memory that its agent maps too. The agent reads it while the worker
+// runs, is frozen (SIGSTOP), sleeps uninterruptibly or is already dead: nothing here needs the
+// worker's cooperation at read time.
+//
+// The agent makes the memfd (RingMemory::create) and hands each worker a duplicate
+// (FSDPRUN_FLIGHT_FD); the worker maps it (RingMemory::attach) and is the only writer. Each
+// slot carries a generation word (odd while being written): a reader copies a slot and keeps
+// it only if the generation was even and unchanged, so a torn or overwritten slot is dropped,
+// never misread. Times are CLOCK_REALTIME nanoseconds, comparable across the hosts of a job.
+//
+// Thread-safety: one writer thread per slot at a time (the recorder serialises issue()); any
+// number of readers, in any process.
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace fsdp::flight {
+
+constexpr std::uint64_t kMagic = 0x31544c4650445346ull;  // "FSDPFLT1"
+constexpr std::uint32_t kVersion = 1;
+constexpr std::uint32_t kDefaultCapacity = 4096;
+
+enum class Op : std::uint8_t { kNone = 0, kAllReduce, kAllGather, kReduceScatter, kBroadcast, kBarrier };
+const char* opName(Op op);  // "all_reduce", ...
+
+enum class SlotState : std::uint8_t { kEmpty = 0, kIssued, kCompleted, kFailed };
+
+struct alignas(64) Header {
+  std::uint64_t magic;
+  std::uint32_t version;
+  std::uint32_t capacity;     // slots
+  std::uint32_t slotBytes;    // sizeof(Slot)
+  std::int32_t rank;          // -1 until a worker attached
+  std::atomic<std::int64_t> pid;
+  std::atomic<std::int64_t> attachedNs;  // when the worker attached (0: never)
+  std::atomic<std::uint64_t> issued;     // slots ever written; the next goes to issued % capacity
+  std::atomic<std::int64_t> progressCount;
+  std::atomic<std::int64_t> progressStep;
+  std::atomic<std::int64_t> progressNs;     // the last mark (0: none)
+  std::atomic<std::int64_t> longestGapNs;   // the longest interval between two marks so far
+  std::atomic<std::int64_t> lastCompletedNs;  // the newest completion of any collective
+  char progressWhat[32];                    // who marked last ("trainer step", ...)
+};
+
+struct alignas(64) Slot {
+  std::atomic<std::uint64_t> generation;  // 2*index+1 while written, 2*index+2 once written
+  std::uint64_t seq;                      // per group, from 1
+  std::int64_t count;                     // elements
+  std::int64_t issuedNs;
+  std::atomic<std::int64_t> startedNs;    // 0: not started
+  std::atomic<std::int64_t> completedNs;  // 0: not completed
+  std::atomic<std::uint8_t> state;        // SlotState
+  Op op;
+  std::uint8_t groupSize;                 // ranks in the group (capped at 255)
+  std::uint8_t groupRank;
+  char dtype[12];
+  char group[24];
+  char tag[48];
+};
+static_assert(sizeof(Slot) == 192);
+static_assert(sizeof(Header) == 128);
+
+// The bytes a ring of `capacity` slots takes.
+std::size_t ringBytes(std::uint32_t capacity);
+
+// One collective as read back.
+struct Record {
+  std::uint64_t index = 0;  // position in the worker's whole history
+  std::uint64_t seq = 0;
+  std::string group;
+  int groupSize = 0;
+  int groupRank = 0;
+  Op op = Op::kNone;
+  std::int64_t count = 0;
+  std::string dtype;
+  std::string tag;
+  std::int64_t issuedNs = 0;
+  std::int64_t startedNs = 0;
+  std::int64_t completedNs = 0;
+  SlotState state = SlotState::kEmpty;
+};
+
+struct Progress {
+  std::int64_t count = 0;
+  std::int64_t step = -1;
+  std::int64_t lastNs = 0;
+  std::int64_t longestGapNs = 0;
+  std::string what;
+};
+
+// What a reader could take from a ring.
+struct Reading {
+  bool attached = false;      // a worker mapped it (a program without libfsdp never does)
+  std::string error;          // why the ring cannot be read (corrupt header), "" when fine
+  int rank = -1;
+  std::int64_t pid = 0;
+  std::int64_t attachedNs = 0;
+  std::int64_t lastCompletedNs = 0;
+  std::uint64_t issued = 0;   // collectives ever issued
+  Progress progress;
+  std::vector<Record> records;  // oldest first; torn or overwritten slots left out
+};
+
+// A mapping of one ring. Movable, unmaps and closes on destruction.
+class RingMemory {
+ public:
+  // Agent side: a new zeroed ring of `capacity` slots in a memfd (close-on-exec). Throws Error.
+  static RingMemory create(std::uint32_t capacity = kDefaultCapacity);
+  // Worker side: maps the ring behind `fd` (taking ownership of fd) and validates its header.
+  // nullopt, with `why`, when it is not a ring of this version.
+  static std::optional<RingMemory> attach(int fd, std::string* why);
+  // A ring in private memory (a worker started without an agent still records, for tests).
+  static RingMemory anonymous(std::uint32_t capacity = kDefaultCapacity);
+
+  RingMemory(RingMemory&& other) noexcept;
+  RingMemory& operator=(RingMemory&& other) noexcept;
+  RingMemory(const RingMemory&) = delete;
+  RingMemory& operator=(const RingMemory&) = delete;
+  ~RingMemory();
+
+  int fd() const { return fd_; }
+  Header& header() const { return *static_cast<Header*>(base_); }
+  Slot& slot(std::uint64_t index) const;
+  std::uint32_t capacity() const { return capacity_; }
+
+  // Reads the ring: at most the newest `last` records. Never throws, whatever the bytes hold.
+  Reading read(std::size_t last = kDefaultCapacity) const;
+
+ private:
+  RingMemory(int fd, void* base, std::size_t bytes, std::uint32_t capacity)
+      : fd_(fd), base_(base), bytes_(bytes), capacity_(capacity) {}
+  void release() noexcept;
+  int fd_ = -1;
+  void* base_ = nullptr;
+  std::size_t bytes_ = 0;
+  std::uint32_t capacity_ = 0;
+};
+
+// The writer's side: records into a ring it does not own.
+class Writer {
+ public:
+  explicit Writer(const RingMemory& ring) : ring_(ring) {}
+  // Marks the ring as this process's (rank, pid, now).
+  void attach(int rank);
+  struct Issue {
+    std::string_view group;
+    int groupSize = 0;
+    int groupRank = 0;
+    std::uint64_t seq = 0;
+    Op op = Op::kNone;
+    std::int64_t count = 0;
+    std::string_view dtype;
+    std::string_view tag;
+  };
+  // Writes a new slot (issued now, started when `started`); returns its index.
+  std::uint64_t issue(const Issue& what, bool started);
+  void start(std::uint64_t index);
+  void complete(std::uint64_t index, bool ok);
+  void markProgress(std::int64_t step, std::string_view what);
+
+ private:
+  Slot* live(std::uint64_t index) const;  // nullptr when the slot was reused since
+  const RingMemory& ring_;
+};
+
+std::int64_t nowNs();  // CLOCK_REALTIME
+
+}  // namespace fsdp::flight

@@ -1,0 +1,58 @@
+#pragma once
+// What the agents know of a hung job, and the one report made of it: which ranks wait in which
+// collective, which never entered it (with their last collective and progress mark), which
+// issued different operations at the same sequence number (a desync), and each lagging rank's
+// host, pid, process state and stacks. Pure functions over the records: every agent of the job
+// builds the same report from the same views. Private to the launcher.
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "fsdp/common/flight_ring.hpp"
+
+namespace fsdp::launcher::detail {
+
+// One rank as its agent saw it when the job was declared hung.
+struct RankView {
+  int rank = -1;
+  std::string host;
+  long pid = -1;
+  bool ringAttached = false;  // false: not a libfsdp program, or it had not reached fsdp::init()
+  std::string ringError;      // the ring could not be read (corrupt)
+  std::int64_t attachedNs = 0;
+  std::int64_t lastCompletedNs = 0;
+  flight::Progress progress;
+  std::vector<flight::Record> records;  // the newest, oldest first
+  // Filled for lagging ranks (and every rank of a program without rings).
+  std::string state;  // "stopped (SIGSTOP)", ...
+  std::string stack;
+  std::string stackError;
+};
+
+std::string rankViewsToJson(const std::vector<RankView>& views);
+// Throws ProtocolError when malformed.
+std::vector<RankView> rankViewsFromJson(const std::string& text);
+
+struct HangAnalysis {
+  std::set<int> lagging;   // the ranks to take stacks of: the cause, as far as the records tell
+  std::vector<std::string> lines;  // the findings, one per line, without stacks
+  bool desync = false;
+};
+
+// `nowNs`: when the job was declared hung (CLOCK_REALTIME). `worldSize`: every rank the job has;
+// ranks without a view (a node that sent nothing) are named as unknown.
+HangAnalysis analyzeHang(const std::vector<RankView>& views, int worldSize, std::int64_t nowNs);
+
+// The whole report: a headline, the findings, then each lagging rank's host, pid, state and
+// stacks. `headline` says what was seen ("no rank completed a collective ... for 5.0 s").
+std::string formatHangReport(const std::string& headline, const HangAnalysis& analysis,
+                             const std::vector<RankView>& views);
+
+// "world #57 all_reduce of 1 float (trainer metrics)"
+std::string describeRecord(const flight::Record& record);
+
+}  // namespace fsdp::launcher::detail

@@ -1,0 +1,234 @@
+// The hang watchdog: local quiet detection, the declaration and exchange through the store, and
+// the report (watchdog.hpp).
+#include "watchdog.hpp"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <map>
+
+#include "fsdp/common/error.hpp"
+#include "fsdp/common/log.hpp"
+#include "fsdp/rendezvous/store_client.hpp"
+#include "report.hpp"
+#include "stacks.hpp"
+
+namespace fsdp::launcher::detail {
+namespace {
+
+using namespace std::chrono_literals;
+constexpr std::size_t kRecordsPerRank = 64;
+
+// /proc/<pid>/stat's state letter; '?' when the process is gone.
+char procState(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string text;
+  if (!in || !std::getline(in, text)) return '?';
+  const auto close = text.rfind(')');
+  return close == std::string::npos || close + 2 >= text.size() ? '?' : text[close + 2];
+}
+
+std::string secondsText(double s) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.1f s", s);
+  return text;
+}
+
+}  // namespace
+
+std::chrono::milliseconds autoHangTimeout(std::int64_t longestGapNs, std::int64_t marks) {
+  if (marks < 2) return 180s;
+  return std::max<std::chrono::milliseconds>(60s, std::chrono::milliseconds(longestGapNs / 1000000 * 10));
+}
+
+HangWatchdog::HangWatchdog(WatchdogOptions options, std::vector<WatchedWorker> workers)
+    : options_(std::move(options)), workers_(std::move(workers)) {
+  const rendezvous::ClientOptions client{.connectTimeout = 5s, .runId = options_.runId, .token = options_.token};
+  store_ = rendezvous::StoreClient::connect(options_.storeHost, static_cast<std::uint16_t>(options_.storePort), client);
+  control_ = rendezvous::StoreClient::connect(options_.storeHost, static_cast<std::uint16_t>(options_.storePort), client);
+  if (::pipe2(notify_, O_CLOEXEC | O_NONBLOCK) != 0) throwErrno("pipe2 for the hang watchdog", errno);
+  thread_ = std::thread([this] { run(); });
+}
+
+HangWatchdog::~HangWatchdog() {
+  stopping_.store(true);
+  try {
+    control_->set(key("stop/" + std::to_string(options_.nodeRank)), "1");
+  } catch (const Error& e) {
+    log::debug("hang watchdog: cannot wake its thread through the store ({}); it ends at its next check", e.what());
+  }
+  thread_.join();
+  for (const int fd : notify_) ::close(fd);
+}
+
+std::string HangWatchdog::key(const std::string& what) const {
+  return "fsdprun/hang/" + std::to_string(options_.round) + "/" + what;
+}
+
+std::optional<HangReport> HangWatchdog::take() {
+  std::scoped_lock lock(mutex_);
+  char byte = 0;
+  while (::read(notify_[0], &byte, 1) > 0) {
+  }
+  return std::exchange(report_, std::nullopt);
+}
+
+std::optional<std::pair<std::int64_t, std::chrono::milliseconds>> HangWatchdog::quiet() const {
+  bool any = false;
+  std::int64_t last = 0, gap = 0, marks = 0;
+  for (const auto& w : workers_) {
+    const char state = procState(w.pid);
+    if (state == '?' || state == 'Z' || state == 'X') return std::nullopt;  // exiting: the agent's business
+    if (!w.ring) continue;
+    const auto r = w.ring->read(0);
+    if (!r.attached || !r.error.empty()) continue;
+    any = true;
+    last = std::max({last, r.attachedNs, r.lastCompletedNs, r.progress.lastNs});
+    gap = std::max(gap, r.progress.longestGapNs);
+    marks = std::max(marks, r.progress.count);
+  }
+  if (!any) return std::nullopt;
+  return std::make_pair(flight::nowNs() - last, options_.timeout.value_or(autoHangTimeout(gap, marks)));
+}
+
+void HangWatchdog::run() {
+  const std::string declared = key("declared");
+  const std::string stop = key("stop/" + std::to_string(options_.nodeRank));
+  try {
+    std::uint64_t seen = store_->revision();
+    std::string by;
+    std::int64_t quietNs = 0;
+    std::chrono::milliseconds timeout{0};
+    while (by.empty()) {
+      if (stopping_.load()) return;
+      if (store_->check({declared})) {
+        by = store_->get(declared, 1s);
+        break;
+      }
+      if (const auto q = quiet()) {
+        quietNs = q->first;
+        timeout = q->second;
+        if (std::chrono::nanoseconds(q->first) > q->second) {
+          by = options_.host + " (node " + std::to_string(options_.nodeRank) + ")";
+          store_->set(declared, by);
+          log::error("no rank on this node completed a collective or marked progress for {}: declaring the job hung",
+                     secondsText(static_cast<double>(q->first) / 1e9));
+          break;
+        }
+      }
+      const auto interval = std::clamp<std::chrono::milliseconds>(
+          (options_.timeout.value_or(timeout.count() > 0 ? timeout : 5000ms)) / 5, 100ms, 1000ms);
+      const auto change = store_->waitForChange({declared, stop}, seen, interval);
+      if (!change) continue;
+      seen = change->revision;
+      if (change->key == stop || stopping_.load()) return;
+      if (change->value) by = *change->value;
+    }
+    HangReport report = collect(by, quietNs, timeout);
+    if (stopping_.load()) return;
+    {
+      std::scoped_lock lock(mutex_);
+      report_ = std::move(report);
+    }
+    const char byte = 1;
+    while (::write(notify_[1], &byte, 1) < 0 && errno == EINTR) {
+    }
+  } catch (const Error& e) {
+    if (!stopping_.load()) log::warn("hang watchdog of round {} stopped: {}", options_.round, e.what());
+  }
+}
+
+HangReport HangWatchdog::collect(const std::string& declaredBy, std::int64_t quietNs, std::chrono::milliseconds timeout) {
+  const std::int64_t now = flight::nowNs();
+  std::vector<RankView> local;
+  for (const auto& w : workers_) {
+    RankView v{.rank = w.rank, .host = options_.host, .pid = w.pid};
+    if (w.ring) {
+      const auto r = w.ring->read(kRecordsPerRank);
+      v.ringAttached = r.attached;
+      v.ringError = r.error;
+      v.attachedNs = r.attachedNs;
+      v.lastCompletedNs = r.lastCompletedNs;
+      v.progress = r.progress;
+      v.records = r.records;
+    } else {
+      v.ringError = "the agent could not make this worker's ring";
+    }
+    local.push_back(std::move(v));
+  }
+  // Everyone's records, then the same analysis on every node.
+  const auto gather = [&](const std::string& what) {
+    std::vector<std::string> keys;
+    for (int n = 0; n < options_.nnodes; ++n) keys.push_back(key(what + "/" + std::to_string(n)));
+    try {
+      store_->wait(keys, options_.exchangeTimeout);
+    } catch (const TimeoutError& e) {
+      log::warn("hang report: {}", e.what());
+    }
+    std::vector<RankView> all;
+    for (const auto& k : keys) {
+      if (!store_->check({k})) continue;
+      try {
+        for (auto& v : rankViewsFromJson(store_->get(k, 1s))) all.push_back(std::move(v));
+      } catch (const ProtocolError& e) {
+        log::warn("hang report: {} is unreadable: {}", k, e.what());
+      }
+    }
+    std::sort(all.begin(), all.end(), [](const RankView& a, const RankView& b) { return a.rank < b.rank; });
+    return all;
+  };
+  store_->set(key("records/" + std::to_string(options_.nodeRank)), rankViewsToJson(local));
+  auto all = gather("records");
+  const HangAnalysis analysis = analyzeHang(all, options_.worldSize, now);
+  for (auto& v : local) {
+    if (!analysis.lagging.count(v.rank) || stopping_.load()) continue;
+    const auto seen = inspectProcess(static_cast<pid_t>(v.pid), options_.stackTimeout);
+    v.state = seen.stateName + (seen.wchan.empty() ? "" : ", waiting in " + seen.wchan);
+    v.stack = seen.stack;
+    v.stackError = seen.stackError;
+  }
+  store_->set(key("stacks/" + std::to_string(options_.nodeRank)), rankViewsToJson(local));
+  std::map<int, RankView> inspected;
+  for (auto& v : gather("stacks")) inspected[v.rank] = std::move(v);
+  for (auto& v : all) {
+    const auto it = inspected.find(v.rank);
+    if (it == inspected.end()) continue;
+    v.state = it->second.state;
+    v.stack = it->second.stack;
+    v.stackError = it->second.stackError;
+  }
+  std::string headline = "the job is hung (declared by " + declaredBy + ")";
+  if (quietNs > 0) {
+    headline += ": no rank on " + options_.host + " completed a collective or marked progress for " +
+                secondsText(static_cast<double>(quietNs) / 1e9) + " (hang timeout " +
+                secondsText(static_cast<double>(timeout.count()) / 1000) + (options_.timeout ? "" : ", auto") + ")";
+  }
+  HangReport report;
+  report.text = formatHangReport(headline, analysis, all);
+  report.lagging = analysis.lagging;
+  report.desync = analysis.desync;
+  report.viewsJson = rankViewsToJson(all);
+  report.stalledSeconds = static_cast<double>(quietNs) / 1e9;
+  // The finding that names the cause comes first in one-line messages.
+  report.summary = analysis.lines.empty() ? headline : analysis.lines.front();
+  for (const auto& line : analysis.lines) {
+    if (line.find("never entered") != std::string::npos || line.rfind("desync", 0) == 0) {
+      report.summary = line;
+      break;
+    }
+  }
+  if (!analysis.lagging.empty()) {
+    report.firstRank = *analysis.lagging.begin();
+    for (const auto& v : all) {
+      if (v.rank != report.firstRank) continue;
+      report.firstHost = v.host;
+      report.firstPid = v.pid;
+    }
+  }
+  return report;
+}
+
+}  // namespace fsdp::launcher::detail

@@ -1,0 +1,94 @@
+#pragma once
+// The agent's hang watchdog for one round. Its thread reads the node's flight recorder rings
+// and, when no local rank has completed a collective or marked progress for the hang timeout
+// (while every local worker still runs), declares the job hung under a key of the rendezvous
+// store. Every node's watchdog waits on that key server side (no polling): whoever declares,
+// all nodes then publish their ranks' records, read everyone's, agree from the same records on
+// the lagging ranks, take the stacks of their own lagging ranks, publish those and read them
+// all, so that every node prints the same report. Every exchange is bounded; a node that sends
+// nothing is named in the report as unknown.
+//
+// Thread-safety: the agent's thread calls fd() and take(); the watchdog's own thread does the rest.
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../workers/worker_group.hpp"
+
+namespace fsdp::rendezvous {
+class StoreClient;
+}
+
+namespace fsdp::launcher::detail {
+
+struct WatchdogOptions {
+  std::optional<std::chrono::milliseconds> timeout;  // nullopt: auto (hangTimeoutFor)
+  int round = 0;
+  int nodeRank = 0;
+  int nnodes = 1;
+  int worldSize = 1;
+  std::string host;  // this node, for the report
+  std::string storeHost;
+  int storePort = 0;
+  std::string runId;
+  std::string token;
+  std::chrono::milliseconds exchangeTimeout{10000};
+  std::chrono::milliseconds stackTimeout{10000};
+};
+
+struct HangReport {
+  std::string text;               // the whole report, stacks included
+  std::set<int> lagging;
+  bool desync = false;
+  std::string viewsJson;          // every rank's view (rankViewsToJson), for error.json
+  double stalledSeconds = 0;
+  // The first lagging rank, where it runs (-1 / "" when the records name none).
+  int firstRank = -1;
+  std::string firstHost;
+  long firstPid = -1;
+  std::string summary;            // the report's first finding, for one-line messages
+};
+
+// The auto rule: 10 times the longest interval between two progress marks seen on any rank,
+// at least 60 s; 180 s while no rank has marked twice.
+std::chrono::milliseconds autoHangTimeout(std::int64_t longestGapNs, std::int64_t marks);
+
+class HangWatchdog {
+ public:
+  // Starts the thread; throws Error when the store cannot be reached.
+  HangWatchdog(WatchdogOptions options, std::vector<WatchedWorker> workers);
+  ~HangWatchdog();
+  HangWatchdog(const HangWatchdog&) = delete;
+  HangWatchdog& operator=(const HangWatchdog&) = delete;
+
+  // Readable once a report is ready (for poll()).
+  int fd() const { return notify_[0]; }
+  std::optional<HangReport> take();
+
+ private:
+  void run();
+  // How long the node has been quiet, and the timeout that applies; nullopt when the watchdog
+  // cannot judge (no ring attached, a worker gone).
+  std::optional<std::pair<std::int64_t, std::chrono::milliseconds>> quiet() const;
+  HangReport collect(const std::string& declaredBy, std::int64_t quietNs, std::chrono::milliseconds timeout);
+  std::string key(const std::string& what) const;
+
+  WatchdogOptions options_;
+  std::vector<WatchedWorker> workers_;
+  std::unique_ptr<rendezvous::StoreClient> store_;    // the thread's
+  std::unique_ptr<rendezvous::StoreClient> control_;  // the destructor's (stop key)
+  int notify_[2] = {-1, -1};
+  std::mutex mutex_;
+  std::optional<HangReport> report_;
+  std::atomic<bool> stopping_{false};
+  std::thread thread_;
+};
+
+}  // namespace fsdp::launcher::detail

@@ -1,0 +1,155 @@
+// The hang analysis over hand-made and generated flight records: who waits, who never came, a
+// desync, ranks without records; and the views' JSON as agents exchange it.
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "fsdp/common/error.hpp"
+#include "hang/report.hpp"
+
+namespace {
+
+using namespace fsdp::launcher::detail;
+using fsdp::flight::Op;
+using fsdp::flight::Record;
+using fsdp::flight::SlotState;
+
+constexpr std::int64_t kNow = 1'000'000'000'000;
+
+Record rec(std::uint64_t seq, Op op, std::int64_t count, bool done, int groupRank, int size = 3,
+           std::string group = "world") {
+  Record r;
+  r.index = seq;
+  r.seq = seq;
+  r.group = std::move(group);
+  r.groupSize = size;
+  r.groupRank = groupRank;
+  r.op = op;
+  r.count = count;
+  r.dtype = "Float";
+  r.tag = "backward blocks.0";
+  r.issuedNs = kNow - 6'000'000'000 + static_cast<std::int64_t>(seq);
+  r.startedNs = r.issuedNs;
+  r.completedNs = done ? r.issuedNs + 1000 : 0;
+  r.state = done ? SlotState::kCompleted : SlotState::kIssued;
+  return r;
+}
+
+RankView view(int rank, std::vector<Record> records) {
+  RankView v;
+  v.rank = rank;
+  v.host = "node" + std::to_string(rank);
+  v.pid = 100 + rank;
+  v.ringAttached = true;
+  v.progress = {6, 6, kNow - 5'000'000'000, 100'000'000, "trainer step"};
+  v.records = std::move(records);
+  return v;
+}
+
+std::string joined(const HangAnalysis& a) {
+  std::string out;
+  for (const auto& l : a.lines) out += l + "\n";
+  return out;
+}
+
+TEST(HangAnalysis, NamesTheRankThatNeverEnteredTheCollectiveOthersWaitIn) {
+  const std::vector<RankView> views = {
+      view(0, {rec(44, Op::kReduceScatter, 9, true, 0), rec(45, Op::kAllGather, 9, false, 0)}),
+      view(1, {rec(44, Op::kReduceScatter, 9, true, 1)}),
+      view(2, {rec(44, Op::kReduceScatter, 9, true, 2), rec(45, Op::kAllGather, 9, false, 2)})};
+  const auto a = analyzeHang(views, 3, kNow);
+  EXPECT_EQ(a.lagging, std::set<int>{1}) << joined(a);
+  EXPECT_FALSE(a.desync);
+  const auto text = joined(a);
+  EXPECT_NE(text.find("ranks 0, 2 wait in world #45 all_gather of 9 Float (backward blocks.0) for 6.0 s"),
+            std::string::npos) << text;
+  EXPECT_NE(text.find("rank 1 never entered world #45: its last collective was world #44 reduce_scatter"),
+            std::string::npos) << text;
+  EXPECT_NE(text.find("last progress mark: trainer step 6, 5.0 s ago"), std::string::npos) << text;
+}
+
+TEST(HangAnalysis, ASkippedCollectiveIsADesyncNamingBothOperations) {
+  const std::vector<RankView> views = {
+      view(0, {rec(4, Op::kAllReduce, 1, true, 0), rec(5, Op::kAllReduce, 1, false, 0)}),
+      view(1, {rec(4, Op::kAllReduce, 1, true, 1), rec(5, Op::kAllGather, 30, false, 1)}),
+      view(2, {rec(4, Op::kAllReduce, 1, true, 2), rec(5, Op::kAllReduce, 1, false, 2)})};
+  const auto a = analyzeHang(views, 3, kNow);
+  EXPECT_TRUE(a.desync);
+  EXPECT_EQ(a.lagging, std::set<int>{1}) << joined(a);
+  EXPECT_NE(joined(a).find("desync in world #5: rank 1 issued all_gather of 30 Float; ranks 0, 2 issued all_reduce of 1 Float"),
+            std::string::npos) << joined(a);
+}
+
+TEST(HangAnalysis, RanksWithoutRecordsAreNamedAndInspected) {
+  RankView script = view(1, {});
+  script.ringAttached = false;
+  RankView corrupt = view(2, {});
+  corrupt.ringError = "the flight recorder ring is corrupt";
+  const auto a = analyzeHang({view(0, {rec(1, Op::kBarrier, 0, false, 0)}), script, corrupt}, 4, kNow);
+  const auto text = joined(a);
+  EXPECT_TRUE(a.lagging.count(1) && a.lagging.count(2)) << text;
+  EXPECT_NE(text.find("rank 1: no flight records"), std::string::npos) << text;
+  EXPECT_NE(text.find("rank 2: flight records unreadable"), std::string::npos) << text;
+  EXPECT_NE(text.find("rank 3: nothing known"), std::string::npos) << text;
+}
+
+TEST(HangAnalysis, EveryRankOutsideCommunicationMeansStacksOfAll) {
+  const auto a = analyzeHang({view(0, {rec(3, Op::kAllReduce, 1, true, 0, 2)}),
+                              view(1, {rec(3, Op::kAllReduce, 1, true, 1, 2)})}, 2, kNow);
+  EXPECT_EQ(a.lagging, (std::set<int>{0, 1}));
+}
+
+// Generated: a world of N ranks runs K collectives; one rank stops after j of them while the
+// others enter collective j+1. The analysis must name exactly that rank, whatever N, K, j.
+TEST(HangAnalysis, GeneratedStallsNameTheStalledRank) {
+  const unsigned seed = std::random_device{}();
+  std::mt19937 random(seed);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int n = std::uniform_int_distribution<int>(2, 9)(random);
+    const int stalled = std::uniform_int_distribution<int>(0, n - 1)(random);
+    const int j = std::uniform_int_distribution<int>(1, 80)(random);
+    std::vector<RankView> views;
+    for (int r = 0; r < n; ++r) {
+      std::vector<Record> records;
+      const int upto = r == stalled ? j : j + 1;
+      for (int s = std::max(1, upto - 63); s <= upto; ++s) {
+        const Op op = s % 2 ? Op::kAllGather : Op::kReduceScatter;
+        records.push_back(rec(static_cast<std::uint64_t>(s), op, 100 + s, s <= j, r, n));
+      }
+      views.push_back(view(r, std::move(records)));
+    }
+    const auto a = analyzeHang(views, n, kNow);
+    ASSERT_EQ(a.lagging, std::set<int>{stalled}) << "seed " << seed << " trial " << trial << "\n" << joined(a);
+    ASSERT_FALSE(a.desync) << "seed " << seed;
+  }
+}
+
+TEST(RankViews, SurviveTheirJsonAndRefuseGarbage) {
+  auto v = view(3, {rec(7, Op::kBroadcast, 5, true, 3, 4, "shard/1")});
+  v.state = "stopped (SIGSTOP)";
+  v.stack = "thread 1:\n#0 f";
+  const auto back = rankViewsFromJson(rankViewsToJson({v}));
+  ASSERT_EQ(back.size(), 1u);
+  EXPECT_EQ(back[0].rank, 3);
+  EXPECT_EQ(back[0].records.at(0).group, "shard/1");
+  EXPECT_EQ(back[0].records.at(0).op, Op::kBroadcast);
+  EXPECT_EQ(back[0].stack, v.stack);
+  EXPECT_EQ(back[0].progress.what, "trainer step");
+  EXPECT_THROW(rankViewsFromJson("[{\"rank\": 1}]"), fsdp::ProtocolError);
+  EXPECT_THROW(rankViewsFromJson("not json"), fsdp::ProtocolError);
+}
+
+TEST(HangReportText, IndentsStacksOfLaggingRanksOnly) {
+  auto a = view(0, {});
+  auto b = view(1, {});
+  b.state = "running";
+  b.stack = "thread 101:\n#0 spin";
+  HangAnalysis analysis;
+  analysis.lagging = {1};
+  analysis.lines = {"rank 1 never entered world #2"};
+  const auto text = formatHangReport("the job is hung", analysis, {a, b});
+  EXPECT_EQ(text, "the job is hung\n  rank 1 never entered world #2\n  rank 1 on node1, pid 101: running\n"
+                  "    thread 101:\n    #0 spin\n");
+}
+
+}  // namespace

@@ -1,0 +1,48 @@
+#pragma once
+// What the hang watchdog of fsdprun sees of a training program: every collective of every
+// communicator fsdp::init() and makeHybridGroups() build is recorded (group, sequence number,
+// operation, size, who asked, when issued/started/completed) in a ring the agent reads, and the
+// program marks its progress. fsdp::Trainer and fsdp::Snapshotter mark every step themselves; a
+// hand-written loop calls markProgress() once per step:
+//
+//   for (int step = 0; step < steps; ++step) {
+//     ...forward, backward, optimizer step...
+//     fsdp::markProgress(step);
+//   }
+//
+// and may say who issues a collective, for the hang report:
+//
+//   { fsdp::CommTag tag("eval", "accuracy"); rt->cpuComm().allReduce(correct).wait(); }
+//
+// Both are a few atomic stores into shared memory, safe from any thread, and do nothing when
+// the recorder is off (FSDPRUN_FLIGHT_RECORDER=0).
+
+#include <cstdint>
+#include <string_view>
+
+namespace fsdp::worker {
+
+// Records that the program completed `step` (any increasing number). `what` says who marks
+// ("step" by default; the Trainer says "trainer step"), up to 31 characters.
+void markProgress(std::int64_t step, std::string_view what = "step");
+
+// While alive, the collectives this thread issues carry "<phase> <what>" (e.g. "backward
+// blocks.3"), up to 47 characters, as who asked for them. Tags nest: the inner one wins and the
+// outer one comes back when it goes.
+class CommTag {
+ public:
+  explicit CommTag(std::string_view phase, std::string_view what = {});
+  ~CommTag();
+  CommTag(const CommTag&) = delete;
+  CommTag& operator=(const CommTag&) = delete;
+
+ private:
+  char previous_[48];
+};
+
+}  // namespace fsdp::worker
+
+namespace fsdp {
+using worker::CommTag;
+using worker::markProgress;
+}  // namespace fsdp
