@@ -57,6 +57,7 @@ void multiAgent(const Args& args);
 void fsdpTrain(const Args& args);
 void accuracy(const Args& args);
 void recovery(const Args& args);
+void hang(const Args& args);
 void collectives(const Args& args);
 int collectivesWorker(const std::string& mbList, int reps);
 

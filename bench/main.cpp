@@ -151,6 +151,14 @@ int main(int argc, char** argv) {
        "--standby) --cases worker,agents_worker,agent,overhead)",
        {"models", "steps", "batch_size", "reps", "seed", "torchrun", "standby", "cases", "checkpoint_every"},
        recovery},
+      {"hang",
+       "a 3-rank DeepNet job whose rank 1 freezes after --stall_step (6): seconds from the stall to "
+       "the hang report, to the state restored and to the first new step, with --hang_timeout 5, "
+       "auto and off (the communicator's 300 s timeout); and the flight recorder's cost: ns per "
+       "recorded collective, collectives per DeepNet step, their share of a step, and step times "
+       "with it on vs off, alternating --reps (2) (--cases 5,auto,off,cost --steps 20)",
+       {"cases", "steps", "stall_step", "reps"},
+       hang},
       {"collectives",
        "all-gather / reduce-scatter / all-reduce: our shared-memory communicator vs our Gloo one vs "
        "torch.distributed Gloo (--mb 1,16,128 --ranks 2,4 --reps 5)",

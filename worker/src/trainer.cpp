@@ -17,6 +17,7 @@
 
 #include "fsdp/common/error.hpp"
 #include "fsdp/common/process.hpp"
+#include "comm/recorded_communicator.hpp"
 #include "fsdp/worker/flight_recorder.hpp"
 #include "fsdp/worker/runtime.hpp"
 
@@ -469,6 +470,7 @@ FitResult Trainer::fit(const Dataset& train, const Dataset* eval) {
         json line{{"type", "train"}, {"epoch", epoch + 1}, {"step", step}, {"loss", result.trainLoss},
                   {"lr", lastLr}, {"samples_per_s", samplesPerSecond}, {"step_time_ms", stepMs},
                   {"peak_rss_mb", peak}, {"unix_time", unixTime()},
+                  {"collectives", detail::FlightRecorder::process().issued()},
                   {"elapsed_s", std::chrono::duration<double>(Clock::now() - d.start).count()}};
         if (sums[2] > 0) line["tokens_per_s"] = tokensPerSecond;
         d.writeMetrics(line);

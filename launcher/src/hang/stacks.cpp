@@ -9,8 +9,8 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <optional>
 #include <sstream>
 #include <utility>
@@ -26,34 +26,16 @@ namespace {
 
 using snapshot::Fd;
 
-constexpr std::size_t kMaxToolOutput = 8u << 20;  // hundreds of threads of 256 frames
 constexpr std::size_t kMaxKernelFrames = 8;
 
-// Everything `fd` holds from its current offset, at most `cap` bytes; nullopt (errno kept in
-// `err`) when it cannot be read.
-std::optional<std::string> readAll(int fd, std::size_t cap, int* err) {
-  std::string out;
-  char buf[16384];
-  while (out.size() < cap) {
-    const ssize_t n = ::read(fd, buf, std::min(sizeof(buf), cap - out.size()));
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      if (err != nullptr) *err = errno;
-      return std::nullopt;
-    }
-    if (n == 0) break;
-    out.append(buf, static_cast<std::size_t>(n));
-  }
-  return out;
-}
-
-std::optional<std::string> readProcFile(const std::string& path, int* err = nullptr) {
-  const Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (!fd) {
-    if (err != nullptr) *err = errno;
-    return std::nullopt;
-  }
-  return readAll(fd.get(), 1u << 20, err);
+// A /proc file (or a memfd through /proc/self/fd, read from its start); nullopt when it cannot
+// be opened, such as a process's files once it is gone.
+std::optional<std::string> readFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return std::nullopt;
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
 }
 
 std::string trim(const std::string& s) {
@@ -64,24 +46,12 @@ std::string trim(const std::string& s) {
 
 // Field 3 of /proc/<pid>[/task/<tid>]/stat, after the parenthesised name (which may itself
 // hold spaces and parentheses); nullopt when the file is gone.
-std::optional<char> readState(const std::string& dir, int* err = nullptr) {
-  const auto stat = readProcFile(dir + "/stat", err);
+std::optional<char> readState(const std::string& dir) {
+  const auto stat = readFile(dir + "/stat");
   if (!stat) return std::nullopt;
   const auto close = stat->rfind(')');
   if (close == std::string::npos || close + 2 >= stat->size()) return std::nullopt;
   return (*stat)[close + 2];
-}
-
-// The process's threads and their states (threads that vanish while listed are left out).
-std::vector<std::pair<std::string, char>> threadStates(const std::string& dir) {
-  std::vector<std::pair<std::string, char>> threads;
-  std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator(dir + "/task", ec)) {
-    if (const auto state = readState(entry.path().string())) {
-      threads.emplace_back(entry.path().filename().string(), *state);
-    }
-  }
-  return threads;
 }
 
 // "thread 812 (kernel_clone+0x1af/0x3e0 <- __do_sys_vfork+0x43/0x70 <- ...)": where a thread in
@@ -89,7 +59,7 @@ std::vector<std::pair<std::string, char>> threadStates(const std::string& dir) {
 std::string describeKernelWait(const std::string& dir, const std::string& tid) {
   const std::string taskDir = dir + "/task/" + tid;
   std::string where;
-  if (const auto stack = readProcFile(taskDir + "/stack")) {
+  if (const auto stack = readFile(taskDir + "/stack")) {
     std::istringstream lines(*stack);
     std::string line;
     for (std::size_t n = 0; n < kMaxKernelFrames && std::getline(lines, line); ++n) {
@@ -98,7 +68,7 @@ std::string describeKernelWait(const std::string& dir, const std::string& tid) {
                (bracket == std::string::npos ? line : line.substr(bracket + 2));
     }
   }
-  if (where.empty()) where = "in " + readProcFile(taskDir + "/wchan").value_or("?");
+  if (where.empty()) where = "in " + readFile(taskDir + "/wchan").value_or("?");
   return "thread " + tid + " (" + where + ")";
 }
 
@@ -117,10 +87,7 @@ Fd captureFile(const char* name) {
 }
 
 std::string readBack(const Fd& fd) {
-  if (::lseek(fd.get(), 0, SEEK_SET) < 0) return "";
-  std::string text = readAll(fd.get(), kMaxToolOutput, nullptr).value_or("");
-  if (text.size() == kMaxToolOutput) text += "\n... (truncated at " + std::to_string(kMaxToolOutput) + " bytes)\n";
-  return text;
+  return readFile("/proc/self/fd/" + std::to_string(fd.get())).value_or("");
 }
 
 // Runs `argv` until it exits or `deadline` passes; then it is killed with its process group and
@@ -139,7 +106,8 @@ ToolRun runTool(const std::vector<std::string>& argv, const Deadline& deadline) 
   options.argv = argv;
   // No debuginfod: a download from the network could take the whole deadline.
   for (auto& kv : currentEnvironment()) {
-    if (kv.rfind("DEBUGINFOD_URLS=", 0) != 0 && kv.rfind("LC_ALL=", 0) != 0) options.env.push_back(kv);
+    if (kv.rfind("DEBUGINFOD_URLS=", 0) == 0 || kv.rfind("LC_ALL=", 0) == 0) continue;
+    options.env.push_back(kv);
   }
   options.env.emplace_back("LC_ALL=C");  // gdb's "Thread N (... (LWP tid)" is parsed below
   options.stdoutFd = out.get();
@@ -151,7 +119,7 @@ ToolRun runTool(const std::vector<std::string>& argv, const Deadline& deadline) 
     run.status = child.waitFor(deadline.remaining());
     if (!run.status) {
       run.timedOut = true;
-      run.failure = argv[0] + " timed out after " + std::to_string(elapsedMs(start)) + " ms (killed)";
+      run.failure = argv[0] + " timed out after " + std::to_string(elapsedMs(start)) + " ms";
     }
   } catch (const Error& e) {
     run.failure = e.what();
@@ -168,15 +136,10 @@ std::string toolSaid(const ToolRun& run) {
   std::string line;
   while (std::getline(lines, line) && said.size() < 400) {
     line = trim(line);
-    if (line.empty() || line.rfind("warning: Build ID mismatch", 0) == 0) continue;
+    if (line.empty()) continue;
     said += (said.empty() ? "" : "; ") + line;
   }
   return said.empty() ? "no message" : said;
-}
-
-std::string failureOf(const std::string& tool, const ToolRun& run) {
-  if (!run.failure.empty()) return run.failure;
-  return tool + " failed (" + describeWaitStatus(*run.status) + "): " + toolSaid(run);
 }
 
 // eu-stack prints "TID 812:" then frames, each optionally followed by an indented source line;
@@ -214,7 +177,8 @@ std::string gdbText(const std::string& raw) {
       const auto at = line.find(key);
       if (at == std::string::npos) continue;
       const auto begin = at + key.size();
-      text += "thread " + line.substr(begin, line.find_first_not_of("0123456789", begin) - begin) + ":\n";
+      const auto end = line.find_first_not_of("0123456789", begin);
+      text += "thread " + line.substr(begin, end - begin) + ":\n";
     } else if (line.rfind('#', 0) == 0) {
       text += line + "\n";
     }
@@ -225,18 +189,16 @@ std::string gdbText(const std::string& raw) {
 }  // namespace
 
 std::string processStateName(char state) {
-  switch (state) {
-    case 'R': return "running";
-    case 'S': return "sleeping";
-    case 'D': return "uninterruptible sleep (D)";
-    case 'T': return "stopped (SIGSTOP)";
-    case 't': return "traced";
-    case 'Z': return "zombie";
-    case 'X': return "dead";
-    case 'I': return "idle";
-    case '?': return "gone";
-    default: return std::string("state ") + state;
+  // clang-format off
+  static constexpr std::pair<char, const char*> kNames[] = {
+      {'R', "running"}, {'S', "sleeping"}, {'D', "uninterruptible sleep (D)"},
+      {'T', "stopped (SIGSTOP)"}, {'t', "traced"}, {'Z', "zombie"}, {'X', "dead"}, {'I', "idle"},
+      {'?', "gone"}};
+  // clang-format on
+  for (const auto& [letter, name] : kNames) {
+    if (letter == state) return name;
   }
+  return std::string("state ") + state;
 }
 
 ProcessInspection inspectProcess(pid_t pid, std::chrono::milliseconds timeout) {
@@ -244,29 +206,35 @@ ProcessInspection inspectProcess(pid_t pid, std::chrono::milliseconds timeout) {
   const std::string dir = "/proc/" + std::to_string(pid);
   ProcessInspection r;
   r.pid = pid;
-  int err = 0;
-  r.state = pid > 0 ? readState(dir, &err).value_or('?') : '?';
+  r.state = pid > 0 ? readState(dir).value_or('?') : '?';
   r.stateName = processStateName(r.state);
   if (r.state == '?') {
-    r.stackError = "no stack: process " + std::to_string(pid) + " is gone (" + dir + "/stat: " +
-                   (pid > 0 ? std::strerror(err) : "not a pid") + ")";
+    r.stackError = "process " + std::to_string(pid) + " is gone (no " + dir + "/stat)";
     return r;
   }
-  if (const auto wchan = readProcFile(dir + "/wchan"); wchan && *wchan != "0") r.wchan = *wchan;
+  if (const auto wchan = readFile(dir + "/wchan"); wchan && *wchan != "0") r.wchan = *wchan;
 
-  const auto threads = threadStates(dir);
-  if ((r.state == 'Z' || r.state == 'X') && threads.size() <= 1) {
-    r.stackError = "no stack: process " + std::to_string(pid) + " has exited and is a " +
-                   r.stateName + " (its parent has not reaped it)";
-    return r;
+  std::size_t threads = 0;
+  std::string blocked;  // threads in D, where ptrace would wait
+  std::error_code ec;
+  for (const auto& task : std::filesystem::directory_iterator(dir + "/task", ec)) {
+    const auto state = readState(task.path().string());
+    threads += state.has_value();
+    if (state == 'D') {
+      blocked +=
+          (blocked.empty() ? "" : ", ") + describeKernelWait(dir, task.path().filename().string());
+    }
   }
-  std::string blocked;
-  for (const auto& [tid, state] : threads) {
-    if (state == 'D') blocked += (blocked.empty() ? "" : ", ") + describeKernelWait(dir, tid);
+  if ((r.state == 'Z' || r.state == 'X') && threads <= 1) {
+    r.stackError = "process " + std::to_string(pid) + " has exited and is a " + r.stateName +
+                   " (its parent has not reaped it)";
+    return r;
   }
   if (!blocked.empty()) {
-    r.stackError = "not traced: ptrace would wait until the threads in uninterruptible sleep (D) "
-                   "wake, and its SIGSTOP would stop the process later; kernel stacks: " + blocked;
+    r.stackError =
+        "not traced: ptrace would wait for the threads in uninterruptible sleep (D) "
+        "to wake, and its SIGSTOP would stop the process later; kernel stacks: ";
+    r.stackError += blocked;
     return r;
   }
 
@@ -278,15 +246,19 @@ ProcessInspection inspectProcess(pid_t pid, std::chrono::milliseconds timeout) {
   const bool euExitedOk = eu.status && WIFEXITED(*eu.status) && WEXITSTATUS(*eu.status) <= 1;
   if (euExitedOk) r.stack = euStackText(eu.out);
   if (!r.stack.empty()) return r;
-  const std::string euError =
-      euExitedOk ? "eu-stack printed no frames: " + toolSaid(eu) : failureOf("eu-stack", eu);
+  std::string euError = eu.failure;
+  if (euError.empty()) {
+    euError = euExitedOk ? "eu-stack printed no frames: "
+                         : "eu-stack failed (" + describeWaitStatus(*eu.status) + "): ";
+    euError += toolSaid(eu);
+  }
 
   std::string gdbError;
   if (eu.timedOut || deadline.expired()) {
-    gdbError = "gdb not tried: the " + std::to_string(timeout.count()) + " ms were spent";
+    gdbError = "gdb not tried: no time left of " + std::to_string(timeout.count()) + " ms";
   } else {
-    const ToolRun gdb = runTool({"gdb", "-nx", "-batch", "-iex", "set debuginfod enabled off",
-                                 "-p", pidText, "-ex", "thread apply all bt"},
+    const ToolRun gdb = runTool({"gdb", "-nx", "-batch", "-iex", "set debuginfod enabled off", "-p",
+                                 pidText, "-ex", "thread apply all bt"},
                                 deadline);
     r.stack = gdb.status ? gdbText(gdb.out) : "";
     if (!r.stack.empty()) return r;

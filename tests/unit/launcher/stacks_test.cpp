@@ -38,7 +38,7 @@ extern "C" __attribute__((noinline)) void fsdpStacksTestSpinsHere(int readyFd, c
 }
 
 extern "C" __attribute__((noinline)) void fsdpStacksTestReadsHere(int readyFd, const char* line,
-                                                                   int fd) {
+                                                                  int fd) {
   say(readyFd, line);
   char c;
   [[maybe_unused]] auto n = ::read(fd, &c, 1);
@@ -106,15 +106,14 @@ constexpr const char* kNoTool = "neither eu-stack (elfutils) nor gdb is installe
 TEST(InspectProcess, SpinningProcessIsRunningInItsFunction) {
   if (!haveStackTool()) GTEST_SKIP() << kNoTool;
   Pipe ready;
-  Child child([&] {
-    fsdpStacksTestSpinsHere(ready.out.get(), "spinning\n");
-  });
+  Child child([&] { fsdpStacksTestSpinsHere(ready.out.get(), "spinning\n"); });
   ready.out.reset();
   ASSERT_EQ(fsdp::readLineWithin(ready.in.get(), kEventTimeout), "spinning\n");
   const auto r = inspectProcess(child.pid(), kInspectTimeout);
   EXPECT_EQ(r.state, 'R');
   EXPECT_EQ(r.stateName, "running");
-  EXPECT_NE(r.stack.find("thread " + std::to_string(child.pid()) + ":"), std::string::npos) << r.stack;
+  EXPECT_NE(r.stack.find("thread " + std::to_string(child.pid()) + ":"), std::string::npos)
+      << r.stack;
   EXPECT_NE(r.stack.find("fsdpStacksTestSpinsHere"), std::string::npos) << r.stack << r.stackError;
 }
 
@@ -122,15 +121,14 @@ TEST(InspectProcess, ProcessBlockedInReadIsSleepingInItsFunction) {
   if (!haveStackTool()) GTEST_SKIP() << kNoTool;
   Pipe ready;
   Pipe never;  // nothing is ever written: the child blocks in read() until killed
-  Child child([&] {
-    fsdpStacksTestReadsHere(ready.out.get(), "reading\n", never.in.get());
-  });
+  Child child([&] { fsdpStacksTestReadsHere(ready.out.get(), "reading\n", never.in.get()); });
   ready.out.reset();
   ASSERT_EQ(fsdp::readLineWithin(ready.in.get(), kEventTimeout), "reading\n");
   // No kernel event says that a process went to sleep: the child enters read() microseconds
   // after it said so, and a look in between (1 in ~1,000 here) still finds it running.
   auto r = inspectProcess(child.pid(), kInspectTimeout);
-  for (int look = 1; r.state == 'R' && look < 5; ++look) r = inspectProcess(child.pid(), kInspectTimeout);
+  for (int look = 1; r.state == 'R' && look < 5; ++look)
+    r = inspectProcess(child.pid(), kInspectTimeout);
   EXPECT_EQ(r.state, 'S');
   EXPECT_EQ(r.stateName, "sleeping");
   EXPECT_NE(r.stack.find("fsdpStacksTestReadsHere"), std::string::npos) << r.stack << r.stackError;
@@ -139,9 +137,7 @@ TEST(InspectProcess, ProcessBlockedInReadIsSleepingInItsFunction) {
 TEST(InspectProcess, StoppedProcessGivesItsStackAndStaysStopped) {
   if (!haveStackTool()) GTEST_SKIP() << kNoTool;
   Pipe ready;
-  Child child([&] {
-    fsdpStacksTestSpinsHere(ready.out.get(), "spinning\n");
-  });
+  Child child([&] { fsdpStacksTestSpinsHere(ready.out.get(), "spinning\n"); });
   ready.out.reset();
   ASSERT_EQ(fsdp::readLineWithin(ready.in.get(), kEventTimeout), "spinning\n");
   ASSERT_EQ(::kill(child.pid(), SIGSTOP), 0);

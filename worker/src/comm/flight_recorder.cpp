@@ -74,6 +74,10 @@ void FlightRecorder::markProgress(std::int64_t step, std::string_view what) {
   if (writer_) writer_->markProgress(step, what);
 }
 
+std::uint64_t FlightRecorder::issued() const {
+  return ring_ ? ring_->header().issued.load(std::memory_order_relaxed) : 0;
+}
+
 }  // namespace detail
 
 void markProgress(std::int64_t step, std::string_view what) {

@@ -28,6 +28,8 @@ class FlightRecorder {
   void start(std::uint64_t index);
   void complete(std::uint64_t index, bool ok);
   void markProgress(std::int64_t step, std::string_view what);
+  // Collectives recorded so far by this process (0 when off).
+  std::uint64_t issued() const;
 
  private:
   FlightRecorder();

@@ -1,0 +1,215 @@
+// fsdp-bench hang: a 3-rank DeepNet job whose rank 1 freezes (SIGSTOP) after a step, with the
+// hang watchdog at --hang_timeout 5, at its default (auto), and off (the job then waits for the
+// communicator's own timeout, 300 s): seconds from the stall to the report (to the failure, when
+// off), to the state restored and to the first new step, from rank 0's metrics lines and the
+// launcher's log. Then the recorder's cost per DeepNet step: step times with the recorder on and
+// off (FSDPRUN_FLIGHT_RECORDER=0), alternating, and the collectives each step records.
+#include <cstdlib>
+#include <ctime>
+#include <fstream>
+#include <sstream>
+
+#include "bench.hpp"
+#include "fsdp/common/error.hpp"
+#include "comm/recorded_communicator.hpp"
+#include "fsdp/worker/flight_recorder.hpp"
+#include "recovery_job.hpp"
+
+namespace fsdp::bench {
+namespace {
+
+using namespace recovery_job;
+
+// The unix time of the first line of `path` that contains `needle`, from its spdlog stamp
+// "[YYYY-mm-dd HH:MM:SS.mmm]" (local time); nullopt when there is none.
+std::optional<double> loggedAt(const std::string& path, const std::string& needle) {
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.find(needle) == std::string::npos || line.size() < 25 || line[0] != '[') continue;
+    std::tm tm{};
+    if (::strptime(line.c_str() + 1, "%Y-%m-%d %H:%M:%S", &tm) == nullptr) continue;
+    tm.tm_isdst = -1;
+    return static_cast<double>(std::mktime(&tm)) + std::stod(line.substr(20, 4));
+  }
+  return std::nullopt;
+}
+
+std::vector<std::string> split(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) out.push_back(item);
+  return out;
+}
+
+std::vector<std::string> job(const std::string& runId, const std::string& metrics, const std::string& hangTimeout,
+                             long long steps, long long stallStep, const std::string& model) {
+  const std::string bin = binDir();
+  std::vector<std::string> argv = {bin + "/fsdprun", "--nproc_per_node", "3", "--max_restarts", "1",
+                                   "--rdzv_id", runId, "--hang_timeout", hangTimeout,
+                                   bin + "/mnist", "--model", model, "--no_dropout", "--no_eval",
+                                   "--progress", "none", "--batch_size", "48", "--max_steps", std::to_string(steps),
+                                   "--log_every", "1", "--metrics_file", metrics};
+  if (stallStep > 0) {
+    argv.insert(argv.end(), {"--fault_kill_at_step", std::to_string(stallStep), "--fault_kill_rank", "1",
+                             "--fault_kind", "stop"});
+  }
+  return argv;
+}
+
+// GCC 12 warns falsely about std::string appends here (GCC bug 105329).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Warray-bounds"
+#pragma GCC diagnostic ignored "-Wstringop-overflow"
+#pragma GCC diagnostic ignored "-Wstringop-overread"
+std::vector<std::string> environment(const std::string& runId, bool recorder) {
+  std::vector<std::string> env;
+  for (const auto& e : currentEnvironment()) {
+    if (!e.starts_with("FSDPRUN_FLIGHT_RECORDER=")) env.push_back(e);
+  }
+  env.push_back("FSDP_BENCH_RECOVERY_RUN=" + runId);
+  env.push_back(std::string("FSDPRUN_FLIGHT_RECORDER=") + (recorder ? "1" : "0"));
+  return env;
+}
+#pragma GCC diagnostic pop
+
+void stallCase(const std::string& which, long long steps, long long stallStep) {
+  RunDir dir;
+  const std::string runId = "bench-hang-" + which + "-" + std::to_string(::getpid());
+  const std::string metrics = dir.path() + "/metrics.jsonl";
+  const std::string timeout = which == "off" ? "0" : which;
+  const Launch launch{{job(runId, metrics, timeout, steps, stallStep, "shallow")}, environment(runId, true), runId, metrics};
+  const auto seen = runJob(launch, dir, Kill::kNone, {}, std::chrono::seconds(600));
+  nlohmann::json line{{"bench", "hang"}, {"case", "stall"}, {"hang_timeout", which}, {"ranks", 3},
+                      {"stall_after_step", stallStep}, {"finished", seen.finished}};
+  std::optional<double> stall;
+  for (const auto& l : seen.lines) {
+    // The first attempt's line: the restarted one redoes the step and logs it again.
+    if (!stall && l.value("type", "") == "train" && l.value("step", 0LL) == stallStep) stall = l.value("unix_time", 0.0);
+  }
+  const auto reported = which == "off" ? loggedAt(dir.path() + "/launcher0.err", ") failed: ")
+                                       : loggedAt(dir.path() + "/launcher0.err", "the job is hung");
+  if (!seen.error.empty()) line["error"] = seen.error;
+  if (stall && reported) line["stall_to_report_s"] = *reported - *stall;
+  bool resumed = false;
+  for (const auto& l : seen.lines) {
+    if (!stall) break;
+    if (l.value("type", "") == "resume") {
+      resumed = true;
+      line["resumed_step"] = l.value("step", 0LL);
+      line["steps_redone"] = stallStep - l.value("step", 0LL);
+      line["stall_to_restored_s"] = l.value("unix_time", 0.0) - *stall;
+    } else if (resumed && l.value("type", "") == "train") {
+      line["stall_to_first_step_s"] = l.value("unix_time", 0.0) - *stall;
+      break;
+    }
+  }
+  if (which == "off") line["note"] = "no watchdog: the shared-memory collective's own timeout (300 s) ends the attempt";
+  emit(line);
+}
+
+// The median of step_time_ms past the first 3 steps, and collectives recorded per step.
+std::pair<double, double> stepCost(const Observed& seen) {
+  std::vector<double> times;
+  double firstCollectives = -1, lastCollectives = -1, firstStep = 0, lastStep = 0;
+  for (const auto& l : seen.lines) {
+    if (l.value("type", "") != "train" || l.value("step", 0LL) <= 3) continue;
+    times.push_back(l.value("step_time_ms", 0.0));
+    const double c = l.value("collectives", 0.0);
+    if (firstCollectives < 0) {
+      firstCollectives = c;
+      firstStep = l.value("step", 0.0);
+    }
+    lastCollectives = c;
+    lastStep = l.value("step", 0.0);
+  }
+  const double perStep = lastStep > firstStep ? (lastCollectives - firstCollectives) / (lastStep - firstStep) : 0;
+  return {times.empty() ? 0.0 : percentile(times, 50), perStep};
+}
+
+// A communicator whose operations do nothing: what is left is the recorder's own cost.
+class NullCommunicator final : public worker::Communicator {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  c10::DeviceType deviceType() const override { return c10::DeviceType::CPU; }
+  const char* backendName() const override { return "null"; }
+  worker::Work allReduce(at::Tensor, worker::ReduceOp) override { return done(); }
+  worker::Work allGather(at::Tensor, at::Tensor) override { return done(); }
+  worker::Work reduceScatter(at::Tensor, at::Tensor, worker::ReduceOp) override { return done(); }
+  worker::Work broadcast(at::Tensor, int) override { return done(); }
+  worker::Work barrier() override { return done(); }
+
+ private:
+  static worker::Work done() { return worker::completedWork([] {}); }
+};
+
+// Nanoseconds per allReduce(...).wait() on `comm`, the best of 5 runs of `n`.
+double nsPerCollective(worker::Communicator& comm, int n) {
+  const at::Tensor t = at::zeros({1});
+  double best = 1e18;
+  for (int run = 0; run < 5; ++run) {
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < n; ++i) {
+      worker::CommTag tag("backward", "blocks.3");
+      comm.allReduce(t, worker::ReduceOp::kSum).wait();
+    }
+    best = std::min(best, std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count() / n);
+  }
+  return best;
+}
+
+void overhead(long long steps, long long reps) {
+  NullCommunicator plain;
+  auto recorded = worker::detail::recordCollectives(std::make_unique<NullCommunicator>(), "world");
+  const double plainNs = nsPerCollective(plain, 200000);
+  const double recordedNs = nsPerCollective(*recorded, 200000);
+  std::vector<double> on, off, ratios;
+  double perStep = 0;
+  for (long long rep = 0; rep < reps; ++rep) {
+    for (const bool recorder : {true, false}) {
+      RunDir dir;
+      const std::string runId = "bench-hang-cost-" + std::to_string(::getpid()) + "-" + std::to_string(rep);
+      const std::string metrics = dir.path() + "/metrics.jsonl";
+      const Launch launch{{job(runId, metrics, "auto", steps, 0, "deep")}, environment(runId, recorder), runId, metrics};
+      const auto seen = runJob(launch, dir, Kill::kNone, {}, std::chrono::seconds(600));
+      const auto [ms, collectives] = stepCost(seen);
+      (recorder ? on : off).push_back(ms);
+      if (recorder) perStep = collectives;
+    }
+    if (off.back() > 0) ratios.push_back(on.back() / off.back());
+  }
+  const double stepMs = percentile(on, 50);
+  const double recorderNs = std::max(0.0, recordedNs - plainNs);
+  emit({{"bench", "hang"}, {"case", "recorder_cost"}, {"model", "deep"}, {"ranks", 3}, {"steps", steps}, {"reps", reps},
+        {"step_ms_recorder_on", stepMs}, {"step_ms_recorder_off", percentile(off, 50)},
+        {"median_ratio_on_over_off", ratios.empty() ? 0.0 : percentile(ratios, 50)},
+        {"collectives_per_step", perStep}, {"ns_per_collective_plain", plainNs},
+        {"ns_per_collective_recorded", recordedNs},
+        {"recorder_share_of_step_pct", stepMs > 0 ? 100.0 * recorderNs * perStep / (stepMs * 1e6) : 0.0}});
+}
+
+}  // namespace
+
+void hang(const Args& args) {
+  const long long steps = args.ints("steps", "20").front();
+  const long long stallStep = args.ints("stall_step", "6").front();
+  const long long reps = args.ints("reps", "2").front();
+  const auto cases = split(args.str("cases", "5,auto,off,cost"));
+  for (const auto& c : cases) {
+    char* end = nullptr;
+    const double seconds = std::strtod(c.c_str(), &end);
+    if (c == "cost" || c == "auto" || c == "off" || (!c.empty() && *end == '\0' && seconds > 0)) continue;
+    throw ConfigError("--cases '" + c + "': expected a number of seconds, auto, off or cost");
+  }
+  for (const auto& c : cases) {
+    if (c == "cost") {
+      overhead(std::min(steps, 12LL), reps);
+    } else {
+      stallCase(c, steps, stallStep);
+    }
+  }
+}
+
+}  // namespace fsdp::bench
