@@ -11,8 +11,6 @@
 #include <cerrno>
 #include <chrono>
 #include <filesystem>
-#include <fstream>
-#include <nlohmann/json.hpp>
 #include <memory>
 #include <optional>
 #include <string>
@@ -29,7 +27,7 @@
 #include "fsdp/rendezvous/rdzv_client.hpp"
 #include "fsdp/rendezvous/store_proxy.hpp"
 #include "fsdp/rendezvous/store_server.hpp"
-#include "../hang/watchdog.hpp"
+#include "../hang/agent_hooks.hpp"
 #include "../workers/guardian.hpp"
 #include "../workers/worker_group.hpp"
 
@@ -116,18 +114,7 @@ class Agent {
   std::string node_;
   int masterPort_ = 0;   // the MASTER_PORT this node offers, should it be node 0
   int restarts_ = 0;
-  // --max_stalled_restarts: the newest step any local rank had marked at the last failure, and
-  // how many failures in a row came without a newer one.
-  std::optional<std::int64_t> failedAtStep_;
-  int stalledRestarts_ = 0;
-  std::unique_ptr<detail::HangWatchdog> startWatchdog(const Assignment& a, const detail::WorkerGroup& group);
-  // The hang as a worker failure: reported, written to the lagging rank's error file, the
-  // round ended (a restart counted), the stuck workers killed.
-  void failHung(const detail::HangReport& report, const Assignment& a, const detail::WorkerGroup& group,
-                const std::string& attemptDir);
-  // After a failed round: false (and the job closed) when too many failures came in a row
-  // without a completed step.
-  std::optional<std::string> stalledTooOften(const detail::WorkerGroup& group);
+  detail::StallCounter stalls_{options_.maxStalledRestarts};  // --max_stalled_restarts
   Clock::time_point nextHeartbeat_ = Clock::now();
   std::optional<std::string> lost_;  // the rendezvous connection failed: why
 };
@@ -442,7 +429,8 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
   }
   if (!standing) standing = std::make_unique<detail::WorkerGroup>(std::move(specs), output, attemptDir, guardian_);
   detail::WorkerGroup& group = *standing;
-  auto watchdog = startWatchdog(a, group);
+  auto watchdog = detail::startHangWatchdog(options_, a, group,
+                                            {node_, storeHost_, storePort_, options_.rdzvId, token_});
   // The spares for the next restart start once this round's workers are past their own start-up
   // (they would compete with it for the CPUs).
   auto standbyAt = options_.standby && a.restartCount < options_.maxRestarts ? Clock::now() + kStandbyDelay
@@ -498,7 +486,8 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
                 .time = utcNow(),
                 .restartCount = a.restartCount,
                 .error = group.errorMessage(exit.localRank).value_or(""),
-                .stderrTail = group.stderrTail(exit.localRank)};
+                .stderrTail = group.stderrTail(exit.localRank),
+                .peers = detail::inspectSurvivors(group, exit.localRank, exit.secondsAfterStart, 5s)};
       const std::string reason = "rank " + std::to_string(f.rank) + " (local_rank " +
                                  std::to_string(f.localRank) + ", pid " + std::to_string(f.pid) +
                                  ") failed: " + describeWaitStatus(f.waitStatus);
@@ -512,7 +501,14 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
     }
     if (watchdog && state == State::kRunning) {
       if (const auto report = watchdog->take()) {
-        failHung(*report, a, group, attemptDir);
+        // A worker failure: counted against --max_restarts; the stuck workers are killed.
+        log::error("{}", report->text);
+        const Failure f = detail::hangFailure(*report, a.restartCount, group, attemptDir, node_);
+        try {
+          client_->endRound("the job hung: " + report->summary, f.toJson());
+        } catch (const Error& e) {
+          lost_ = e.what();
+        }
         stopGroup(SIGKILL);  // stuck: nothing to wait for
       }
     }
@@ -564,7 +560,7 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
     switch (verdict->kind) {
       case Verdict::kRestart:
         if (!verdict->failure.empty()) {
-          if (auto why = stalledTooOften(group)) {
+          if (auto why = stalls_.afterFailure(group)) {
             log::error("{}", *why);
             try {
               client_->closeRun(*why);
@@ -581,73 +577,6 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
       case Verdict::kClosed: return ended(1, verdict->reason);
     }
   }
-}
-
-std::unique_ptr<detail::HangWatchdog> Agent::startWatchdog(const Assignment& a, const detail::WorkerGroup& group) {
-  if (options_.hangTimeout && options_.hangTimeout->count() == 0) return nullptr;  // --hang_timeout 0
-  try {
-    return std::make_unique<detail::HangWatchdog>(detail::WatchdogOptions{.timeout = options_.hangTimeout,
-                                                                          .round = a.round,
-                                                                          .nodeRank = a.nodeRank,
-                                                                          .nnodes = a.nnodes,
-                                                                          .worldSize = a.worldSize,
-                                                                          .host = node_,
-                                                                          .storeHost = storeHost_,
-                                                                          .storePort = storePort_,
-                                                                          .runId = options_.rdzvId,
-                                                                          .token = token_},
-                                                  group.watched());
-  } catch (const Error& e) {
-    log::warn("no hang watchdog in round {}: {}", a.round, e.what());
-    return nullptr;
-  }
-}
-
-void Agent::failHung(const detail::HangReport& report, const Assignment& a, const detail::WorkerGroup& group,
-                     const std::string& attemptDir) {
-  log::error("{}", report.text);
-  Failure f{.rank = report.firstRank,
-            .node = report.firstHost.empty() ? node_ : report.firstHost,
-            .pid = static_cast<int>(report.firstPid),
-            .time = utcNow(),
-            .restartCount = a.restartCount,
-            .hang = report.text};
-  for (const auto& w : group.watched()) {
-    if (w.rank != report.firstRank) continue;
-    f.localRank = w.localRank;
-    // Where torchrun users look: the lagging rank's error file, in its format.
-    const nlohmann::json error{
-        {"message", {{"message", report.text},
-                     {"extraInfo", {{"hang", nlohmann::json::parse(report.viewsJson, nullptr, false)},
-                                    {"timestamp", std::to_string(::time(nullptr))}}}}}};
-    std::ofstream(attemptDir + "/" + std::to_string(w.localRank) + "/error.json") << error.dump(2) << "\n";
-  }
-  try {
-    client_->endRound("the job hung: " + report.summary, f.toJson());
-  } catch (const Error& e) {
-    lost_ = e.what();
-  }
-}
-
-std::optional<std::string> Agent::stalledTooOften(const detail::WorkerGroup& group) {
-  std::optional<std::int64_t> step;
-  for (const auto& w : group.watched()) {
-    if (!w.ring) continue;
-    const auto r = w.ring->read(0);
-    if (!r.attached) continue;
-    step = std::max(step.value_or(-1), r.progress.count > 0 ? r.progress.step : std::int64_t{-1});
-  }
-  if (!step) return std::nullopt;  // not a libfsdp program: no steps to count
-  if (failedAtStep_ && *step <= *failedAtStep_) {
-    ++stalledRestarts_;
-  } else {
-    stalledRestarts_ = 0;
-    failedAtStep_ = step;
-  }
-  if (options_.maxStalledRestarts == 0 || stalledRestarts_ < options_.maxStalledRestarts) return std::nullopt;
-  return "giving up: " + std::to_string(stalledRestarts_) + " restarts in a row failed before completing a step past " +
-         std::to_string(*failedAtStep_) + " (--max_stalled_restarts " + std::to_string(options_.maxStalledRestarts) +
-         "); the last failure follows";
 }
 
 AgentResult Agent::run() {

@@ -33,7 +33,8 @@ std::string Failure::toJson() const {
                         {"restart_count", restartCount},
                         {"error", error},
                         {"stderr_tail", stderrTail},
-                        {"hang", hang}}
+                        {"hang", hang},
+                        {"peers", peers}}
       .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
@@ -51,7 +52,8 @@ Failure Failure::fromJson(const std::string& text) {
                    j.value("restart_count", 0),
                    j.value("error", std::string()),
                    j.value("stderr_tail", std::string()),
-                   j.value("hang", std::string())};
+                   j.value("hang", std::string()),
+                   j.value("peers", std::string())};
   } catch (const nlohmann::json::exception& e) {
     throw ProtocolError(std::string("malformed failure report: ") + e.what());
   }
@@ -87,6 +89,7 @@ std::string describeFailure(const Failure& f, int maxRestarts) {
     out << "  the last lines of its stderr:\n" << joinLines(tail, "    | ");
   }
   if (f.error.empty() && f.stderrTail.empty()) out << "  it wrote nothing to stderr\n";
+  if (!f.peers.empty()) out << "  the other workers of its node, still running then:\n" << joinLines(f.peers, "    ");
   return out.str();
 }
 

@@ -4,6 +4,8 @@
 // the command's timeout; nothing asserts how long anything took.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <chrono>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -129,6 +131,29 @@ TEST(HangWatchdog, RestartsThatNeverGetPastTheFailingStepStopEarly) {
   EXPECT_NE(r.err.find("giving up: 2 restarts in a row failed before completing a step past 3"), std::string::npos)
       << r.err;
   EXPECT_EQ(r.err.find("restart 6 of 6"), std::string::npos) << r.err;
+}
+
+// A PyTorch script has no flight records: when its own collective timeout fails a rank, the
+// report shows what the node's other workers, still running, were doing.
+TEST(HangPytorch, AScriptWhoseCollectiveTimesOutShowsTheStuckRanksStateAndStacks) {
+  if (::access("/usr/bin/python3", X_OK) != 0 ||
+      runCommand({"/usr/bin/python3", "-c", "import torch.distributed"}, 60s).exitCode != 0) {
+    GTEST_SKIP() << "python3-torch is not installed";
+  }
+  const auto r = runCommand({kBin + "/fsdprun", "--nproc_per_node", "2", "--hang_timeout", "5",
+                             std::string(FSDP_SOURCE_DIR) + "/tests/integration/python/hang_worker.py", "--timeout",
+                             "12"},
+                            180s, {"PYTHON_EXEC=/usr/bin/python3"});
+  EXPECT_EQ(r.exitCode, 1) << r.err;
+  EXPECT_NE(r.err.find("rank 0 (local_rank 0"), std::string::npos) << r.err;  // failed first: its timeout
+  EXPECT_NE(r.err.find("the other workers of its node, still running then:"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("rank 1 (local_rank 1, pid "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("sleeping"), std::string::npos) << r.err;
+  if (haveStackTool()) {
+    EXPECT_NE(r.err.find("thread "), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("read"), std::string::npos) << r.err;  // the C read under os.read
+  }
+  EXPECT_EQ(r.err.find("the job is hung"), std::string::npos) << r.err;  // no records: no watchdog verdict
 }
 
 // Two agents on loopback, one rank each; the rank of the second node spins. Both nodes print the

@@ -29,6 +29,9 @@ struct Failure {
   std::string error;        // from its TORCHELASTIC_ERROR_FILE, if it wrote one
   std::string stderrTail;   // its last stderr lines
   std::string hang;         // the hang report, when the job hung (the rank is its first lagging one)
+  // A program without flight records that failed after a while: the states and stacks of the
+  // node's other workers still running then.
+  std::string peers;
 
   std::string toJson() const;
   // Throws ProtocolError when malformed.
