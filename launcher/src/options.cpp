@@ -75,7 +75,8 @@ const Spec kSpecs[] = {
      "Seconds without a completed collective or progress mark on any rank before the job counts "
      "as hung (libfsdp programs): the agents report who is stuck where, with stacks, and restart. "
      "'auto' (default): 10 times the longest interval between progress marks, at least 60 s, and "
-     "180 s before the second mark; 0 turns the watchdog off",
+     "180 s before the second mark; before the first mark at least 180 s either way; 0 turns the "
+     "watchdog off",
      kLaunch},
     {"max_stalled_restarts", "--max_stalled_restarts,--max-stalled-restarts",
      "Give up after this many restarts in a row in which no step completed (libfsdp programs; "

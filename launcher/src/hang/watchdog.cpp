@@ -40,7 +40,7 @@ std::string secondsText(double s) {
 }  // namespace
 
 std::chrono::milliseconds autoHangTimeout(std::int64_t longestGapNs, std::int64_t marks) {
-  if (marks < 2) return 180s;
+  if (marks < 2) return kBeforeFirstMark;
   return std::max<std::chrono::milliseconds>(60s, std::chrono::milliseconds(longestGapNs / 1000000 * 10));
 }
 
@@ -91,7 +91,10 @@ std::optional<std::pair<std::int64_t, std::chrono::milliseconds>> HangWatchdog::
     marks = std::max(marks, r.progress.count);
   }
   if (!any) return std::nullopt;
-  return std::make_pair(flight::nowNs() - last, options_.timeout.value_or(autoHangTimeout(gap, marks)));
+  auto timeout = options_.timeout.value_or(autoHangTimeout(gap, marks));
+  // Start-up (LibTorch, the data, the first step) is not judged by a timeout sized for steps.
+  if (marks == 0) timeout = std::max<std::chrono::milliseconds>(timeout, kBeforeFirstMark);
+  return std::make_pair(flight::nowNs() - last, timeout);
 }
 
 void HangWatchdog::run() {

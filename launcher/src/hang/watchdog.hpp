@@ -57,7 +57,9 @@ struct HangReport {
 };
 
 // The auto rule: 10 times the longest interval between two progress marks seen on any rank,
-// at least 60 s; 180 s while no rank has marked twice.
+// at least 60 s; kBeforeFirstMark while no rank has marked twice. An explicit timeout applies
+// once some rank has marked progress; before that, at least kBeforeFirstMark.
+constexpr std::chrono::milliseconds kBeforeFirstMark{180000};
 std::chrono::milliseconds autoHangTimeout(std::int64_t longestGapNs, std::int64_t marks);
 
 class HangWatchdog {

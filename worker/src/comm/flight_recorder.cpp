@@ -78,6 +78,10 @@ std::uint64_t FlightRecorder::issued() const {
   return ring_ ? ring_->header().issued.load(std::memory_order_relaxed) : 0;
 }
 
+flight::Reading FlightRecorder::read(std::size_t last) const {
+  return ring_ ? ring_->read(last) : flight::Reading{};
+}
+
 }  // namespace detail
 
 void markProgress(std::int64_t step, std::string_view what) {

@@ -5,10 +5,12 @@
 // that is already done. Gloo queues operations and runs them in order on its own thread; a
 // watcher thread here waits on them in that order, so each starts when the one before it
 // completed and completes when its Work does, whether or not the program waits on it yet.
-// Device work (NCCL) completes when the program's wait() returns or ready() says so.
+// Device work (NCCL) completes when its ready() says so: polled by the same watcher, and by the
+// program's own ready()/wait().
 #include "comm/recorded_communicator.hpp"
 
 #include <condition_variable>
+#include <chrono>
 #include <deque>
 #include <thread>
 
@@ -80,18 +82,20 @@ class RecordedCommunicator final : public Communicator {
       }
     }();
     if (work.onHost()) {
-      if (work.ready()) {
-        try {
-          work.wait();
-          recorder_.complete(index, true);
-        } catch (...) {
-          recorder_.complete(index, false);
-        }
+      if (!work.ready()) {
+        watch(index, work);
         return work;
       }
-      watch(index, work);
+      try {
+        work.wait();
+        recorder_.complete(index, true);
+      } catch (...) {
+        recorder_.complete(index, false);
+      }
       return work;
     }
+    // Device work: wait() only orders the caller's stream after it; done is what ready() says.
+    watch(index, work);
     FlightRecorder* recorder = &recorder_;
     return Work(
         [work, recorder, index] {
@@ -101,7 +105,7 @@ class RecordedCommunicator final : public Communicator {
             recorder->complete(index, false);
             throw;
           }
-          recorder->complete(index, true);
+          if (work.ready()) recorder->complete(index, true);
         },
         [work, recorder, index] {
           const bool done = work.ready();
@@ -130,10 +134,23 @@ class RecordedCommunicator final : public Communicator {
       }
       recorder_.start(next.first);
       bool ok = true;
-      try {
-        next.second.wait();
-      } catch (...) {
-        ok = false;
+      if (next.second.onHost()) {
+        try {
+          next.second.wait();
+        } catch (...) {
+          ok = false;
+        }
+      } else {
+        // A device operation has no host event to block on: its ready() is polled (a flag
+        // under a mutex, set by the backend's own poller), backing off to 1 ms.
+        auto pause = std::chrono::microseconds(50);
+        while (!next.second.ready()) {
+          {
+            std::unique_lock lock(mutex_);
+            if (wake_.wait_for(lock, pause, [this] { return stopping_; })) return;
+          }
+          pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(1));
+        }
       }
       recorder_.complete(next.first, ok);
       std::scoped_lock lock(mutex_);

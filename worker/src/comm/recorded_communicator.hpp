@@ -30,6 +30,8 @@ class FlightRecorder {
   void markProgress(std::int64_t step, std::string_view what);
   // Collectives recorded so far by this process (0 when off).
   std::uint64_t issued() const;
+  // What the agent would read (tests): the newest `last` records.
+  flight::Reading read(std::size_t last) const;
 
  private:
   FlightRecorder();
