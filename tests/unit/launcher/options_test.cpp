@@ -51,6 +51,10 @@ TEST(ParseCommandLine, BadValuesNameTheFlag) {
       {{"--shutdown_timeout", "-1", "p"}, "--shutdown_timeout"},
       {{"--rdzv_backend", "etcd", "p"}, "--rdzv_backend 'etcd'"},
       {{"--bogus", "p"}, "--bogus"},
+      {{"--hang_timeout", "soon", "p"}, "--hang_timeout 'soon': expected 'auto', 0 (off) or a positive number"},
+      {{"--hang_timeout", "-5", "p"}, "--hang_timeout '-5'"},
+      {{"--hang_timeout", "nan", "p"}, "--hang_timeout 'nan'"},
+      {{"--max_stalled_restarts", "x", "p"}, "--max_stalled_restarts 'x'"},
       {{}, "PROGRAM"},
   };
   for (const auto& [args, mention] : cases) {
@@ -61,6 +65,16 @@ TEST(ParseCommandLine, BadValuesNameTheFlag) {
       EXPECT_NE(std::string(e.what()).find(mention), std::string::npos) << e.what();
     }
   }
+}
+
+TEST(ParseCommandLine, HangTimeoutIsAutoSecondsOrOffAndHasAPetVariable) {
+  EXPECT_FALSE(parse({"p"}).options->hangTimeout);  // auto
+  EXPECT_EQ(parse({"--hang_timeout", "auto", "p"}).options->hangTimeout, std::nullopt);
+  EXPECT_EQ(parse({"--hang-timeout", "2.5", "p"}).options->hangTimeout, std::chrono::milliseconds(2500));
+  EXPECT_EQ(parse({"--hang_timeout", "0", "p"}).options->hangTimeout, std::chrono::milliseconds(0));
+  EXPECT_EQ(parse({"p"}, {{"PET_HANG_TIMEOUT", "7"}}).options->hangTimeout, std::chrono::milliseconds(7000));
+  EXPECT_EQ(parse({"p"}).options->maxStalledRestarts, 3);
+  EXPECT_EQ(parse({"p"}, {{"PET_MAX_STALLED_RESTARTS", "0"}}).options->maxStalledRestarts, 0);
 }
 
 TEST(ParseNnodes, ReadsNAndMinMax) {
