@@ -447,6 +447,7 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
     if (state == State::kStopping) return;
     state = State::kStopping;
     killAt = Clock::now() + options_.shutdownTimeout;
+    if (watchdog) watchdog->requestStop();  // its thread ends while the workers do
   };
 
   for (;;) {
@@ -514,6 +515,7 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
     }
     if (state == State::kRunning && group.running() == 0) {
       state = State::kSucceeded;
+      if (watchdog) watchdog->requestStop();
       try {
         client_->succeeded();
       } catch (const Error& e) {

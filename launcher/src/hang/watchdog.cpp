@@ -54,14 +54,18 @@ HangWatchdog::HangWatchdog(WatchdogOptions options, std::vector<WatchedWorker> w
 }
 
 HangWatchdog::~HangWatchdog() {
-  stopping_.store(true);
+  requestStop();
+  thread_.join();
+  for (const int fd : notify_) ::close(fd);
+}
+
+void HangWatchdog::requestStop() {
+  if (stopping_.exchange(true)) return;
   try {
     control_->set(key("stop/" + std::to_string(options_.nodeRank)), "1");
   } catch (const Error& e) {
     log::debug("hang watchdog: cannot wake its thread through the store ({}); it ends at its next check", e.what());
   }
-  thread_.join();
-  for (const int fd : notify_) ::close(fd);
 }
 
 std::string HangWatchdog::key(const std::string& what) const {

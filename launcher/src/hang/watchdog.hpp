@@ -73,6 +73,9 @@ class HangWatchdog {
   // Readable once a report is ready (for poll()).
   int fd() const { return notify_[0]; }
   std::optional<HangReport> take();
+  // Tells the thread to end (one store write; no waiting): a round that is over needs no
+  // watchdog, and the destructor then has nothing left to wait for.
+  void requestStop();
 
  private:
   void run();
