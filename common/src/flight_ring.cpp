@@ -89,6 +89,15 @@ RingMemory RingMemory::anonymous(std::uint32_t capacity) {
 }
 
 std::optional<RingMemory> RingMemory::attach(int fd, std::string* why) {
+  // Only the agent's memfd is touched: a program that closed it (a wrapper's close_fds) may have
+  // reused the number for something of its own by now.
+  char target[256] = {0};
+  const std::string link = "/proc/self/fd/" + std::to_string(fd);
+  const ssize_t n = ::readlink(link.c_str(), target, sizeof(target) - 1);
+  if (n <= 0 || std::string_view(target, static_cast<std::size_t>(n)).find("memfd:fsdprun-flight") == std::string_view::npos) {
+    if (why) *why = "fd " + std::to_string(fd) + " is not the agent's flight recorder (closed before this program started?)";
+    return std::nullopt;
+  }
   const auto fail = [&](const std::string& text) -> std::optional<RingMemory> {
     if (why) *why = text;
     ::close(fd);
@@ -165,6 +174,7 @@ Reading RingMemory::read(std::size_t last) const {
   r.progress.lastNs = h.progressNs.load(std::memory_order_relaxed);
   r.progress.longestGapNs = h.longestGapNs.load(std::memory_order_relaxed);
   r.progress.what = readText(h.progressWhat);
+  r.progress.busySinceNs = h.busySinceNs.load(std::memory_order_relaxed);
   const std::uint64_t n = std::min<std::uint64_t>({r.issued, capacity_, last});
   for (std::uint64_t index = r.issued - n; index < r.issued; ++index) {
     const Slot& s = slot(index);
@@ -176,8 +186,8 @@ Reading RingMemory::read(std::size_t last) const {
     rec.count = s.count;
     rec.issuedNs = s.issuedNs;
     rec.op = s.op;
-    rec.groupSize = s.groupSize;
-    rec.groupRank = s.groupRank;
+    rec.groupSize = static_cast<int>(std::min<std::uint32_t>(s.groupSize, 1u << 24));
+    rec.groupRank = static_cast<int>(std::min<std::uint32_t>(s.groupRank, 1u << 24));
     rec.dtype = readText(s.dtype);
     rec.group = readText(s.group);
     rec.tag = readText(s.tag);
@@ -213,8 +223,8 @@ std::uint64_t Writer::issue(const Issue& what, bool started) {
   s.completedNs.store(0, std::memory_order_relaxed);
   s.state.store(static_cast<std::uint8_t>(SlotState::kIssued), std::memory_order_relaxed);
   s.op = what.op;
-  s.groupSize = static_cast<std::uint8_t>(std::clamp(what.groupSize, 0, 255));
-  s.groupRank = static_cast<std::uint8_t>(std::clamp(what.groupRank, 0, 255));
+  s.groupSize = static_cast<std::uint32_t>(std::max(what.groupSize, 0));
+  s.groupRank = static_cast<std::uint32_t>(std::max(what.groupRank, 0));
   copyText(s.dtype, what.dtype);
   copyText(s.group, what.group);
   copyText(s.tag, what.tag);
@@ -248,6 +258,10 @@ void Writer::complete(std::uint64_t index, bool ok) {
   }
 }
 
+void Writer::setBusy(bool busy) {
+  ring_.header().busySinceNs.store(busy ? nowNs() : 0, std::memory_order_relaxed);
+}
+
 void Writer::markProgress(std::int64_t step, std::string_view what) {
   Header& h = ring_.header();
   const std::int64_t now = nowNs();
@@ -256,7 +270,7 @@ void Writer::markProgress(std::int64_t step, std::string_view what) {
     h.longestGapNs.store(now - previous, std::memory_order_relaxed);
   }
   copyText(h.progressWhat, what);
-  h.progressStep.store(step, std::memory_order_relaxed);
+  if (step >= 0) h.progressStep.store(step, std::memory_order_relaxed);
   h.progressNs.store(now, std::memory_order_relaxed);
   h.progressCount.fetch_add(1, std::memory_order_release);
 }

@@ -190,6 +190,9 @@ std::unique_ptr<Runtime> init(const InitOptions& options) {
   // First: from here on the agent learns of this process's exit at its start, not after the
   // kernel has freed its memory (a spare's too, while it waits).
   holdLifeline();
+  // The agent's flight recorder, before anything else opens descriptors (a program that closed
+  // it gets none, never someone else's descriptor).
+  detail::FlightRecorder::process();
   awaitActivation();
   WorkerEnv env = WorkerEnv::fromEnvironment(processEnv());
   log::setup({.role = "worker", .rank = env.rank, .defaultLevel = spdlog::level::warn});

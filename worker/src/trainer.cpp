@@ -217,7 +217,7 @@ EvalResult Trainer::evaluate(const Dataset& data) {
     const auto n = static_cast<double>(b.input.size(0));
     const at::Tensor out = (forward ? forward(d.model, b) : d.model->forward(b.input)).to(at::kFloat);
     lossSum += d.loss(out, b).item<double>() * n;
-    markProgress(s, "eval batch");  // a long evaluation is progress, not a hang
+    markProgress(-1, "eval batch");  // a long evaluation is progress, not a hang
     if (o.accuracy) correct += out.argmax(-1).eq(b.target).sum().item<double>() / (b.target.numel() / n);
     samples += n;
   }

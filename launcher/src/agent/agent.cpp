@@ -488,7 +488,8 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
                 .restartCount = a.restartCount,
                 .error = group.errorMessage(exit.localRank).value_or(""),
                 .stderrTail = group.stderrTail(exit.localRank),
-                .peers = detail::inspectSurvivors(group, exit.localRank, exit.secondsAfterStart, 5s)};
+                // Bounded well inside the rendezvous heartbeat timeout: the loop waits on it.
+                .peers = detail::inspectSurvivors(group, exit.localRank, exit.secondsAfterStart, 2s)};
       const std::string reason = "rank " + std::to_string(f.rank) + " (local_rank " +
                                  std::to_string(f.localRank) + ", pid " + std::to_string(f.pid) +
                                  ") failed: " + describeWaitStatus(f.waitStatus);
@@ -500,8 +501,10 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
       }
       stopGroup(SIGTERM);
     }
-    if (watchdog && state == State::kRunning) {
-      if (const auto report = watchdog->take()) {
+    if (watchdog) {
+      // Taken whatever the state, so that its descriptor never stays readable.
+      const auto report = watchdog->take();
+      if (report && state == State::kRunning) {
         // A worker failure: counted against --max_restarts; the stuck workers are killed.
         log::error("{}", report->text);
         const Failure f = detail::hangFailure(*report, a.restartCount, group, attemptDir, node_);

@@ -35,7 +35,7 @@ std::unique_ptr<HangWatchdog> startHangWatchdog(const LaunchOptions& options, co
                                                           .runId = store.runId,
                                                           .token = store.token},
                                           group.watched());
-  } catch (const Error& e) {
+  } catch (const std::exception& e) {  // the store unreachable, no thread to be had
     log::warn("no hang watchdog in round {}: {}", a.round, e.what());
     return nullptr;
   }
@@ -59,7 +59,7 @@ Failure hangFailure(const HangReport& report, int restartCount, const WorkerGrou
                                     {"timestamp", std::to_string(::time(nullptr))}}}}}};
     const std::string path = attemptDir + "/" + std::to_string(w.localRank) + "/error.json";
     std::ofstream out(path);
-    out << error.dump(2) << "\n";
+    out << error.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
     if (!out) log::warn("could not write the hang report to {}", path);
   }
   return f;

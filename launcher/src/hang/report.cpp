@@ -76,7 +76,8 @@ std::string rankViewsToJson(const std::vector<RankView>& views) {
                    {"records", std::move(records)}, {"state", v.state}, {"stack", v.stack},
                    {"stack_error", v.stackError}});
   }
-  return out.dump();
+  // Text cut mid-character (a tag, a stack) must not make the dump throw.
+  return out.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
 std::vector<RankView> rankViewsFromJson(const std::string& text) {
@@ -149,6 +150,17 @@ HangAnalysis analyzeHang(const std::vector<RankView>& views, int worldSize, std:
       m.bySeq[r.seq] = &r;
     }
   }
+  // A rank waiting in some group is not the cause of another group's wait, even where it is
+  // behind there (HYBRID: it waits in its shard group for the rank that stalls).
+  std::set<int> waitingSomewhere;
+  for (const auto& v : views) {
+    for (const auto& r : v.records) {
+      if (open(r)) waitingSomewhere.insert(v.rank);
+    }
+  }
+  const auto blame = [&](int rank) {
+    if (!waitingSomewhere.count(rank)) a.lagging.insert(rank);
+  };
   bool anyWaiting = false;
   for (const auto& [name, g] : groups) {
     // Desync: the same sequence number, different operations or sizes.
@@ -209,19 +221,23 @@ HangAnalysis analyzeHang(const std::vector<RankView>& views, int worldSize, std:
         } else if (!world) {
           a.lines.push_back("group rank " + std::to_string(groupRank) + " of " + name + " has issued nothing in it");
         }
-        if (world) a.lagging.insert(groupRank);
+        if (world) blame(groupRank);
         continue;
       }
       const Member& m = it->second;
       const auto last = m.bySeq.rbegin();
       if (last->first >= *stuck) continue;
       someoneMissing = true;
-      a.lagging.insert(m.rank);
+      blame(m.rank);
       const flight::Record& r = *last->second;
       std::string line = "rank " + std::to_string(m.rank) + " never entered " + name + " #" + std::to_string(*stuck) +
                          ": its last collective was " + describeRecord(r);
       if (r.completedNs != 0) line += ", completed " + seconds(nowNs - r.completedNs) + " ago";
-      line += "; " + lastProgress(*byRank[m.rank]);
+      if (waitingSomewhere.count(m.rank)) {
+        line += "; it waits in another group itself";
+      } else {
+        line += "; " + lastProgress(*byRank[m.rank]);
+      }
       a.lines.push_back(line);
     }
     if (!someoneMissing && !a.desync) {
@@ -233,6 +249,9 @@ HangAnalysis analyzeHang(const std::vector<RankView>& views, int worldSize, std:
   if (!anyWaiting && a.lagging.empty()) {
     a.lines.push_back("no rank waits in a collective: every rank is outside communication (in the program)");
     for (const auto& v : views) a.lagging.insert(v.rank);
+  } else if (a.lagging.empty()) {
+    // Every rank behind somewhere waits somewhere else: a cycle, or the transport. All of them.
+    a.lagging = waitingSomewhere;
   }
   return a;
 }

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <fstream>
 #include <map>
+#include <set>
 
 #include "fsdp/common/error.hpp"
 #include "fsdp/common/log.hpp"
@@ -35,6 +36,19 @@ std::string secondsText(double s) {
   char text[32];
   std::snprintf(text, sizeof(text), "%.1f s", s);
   return text;
+}
+
+// What a node sends of a rank's ring: the newest kRecordsPerRank records, plus the oldest one
+// not completed of each group (a host that ran ahead of its device can have many after it).
+std::vector<flight::Record> selectRecords(const std::vector<flight::Record>& all) {
+  const std::size_t from = all.size() > kRecordsPerRank ? all.size() - kRecordsPerRank : 0;
+  std::vector<flight::Record> out;
+  std::set<std::string> seen;
+  for (std::size_t i = 0; i < from; ++i) {
+    if (all[i].state == flight::SlotState::kIssued && seen.insert(all[i].group).second) out.push_back(all[i]);
+  }
+  out.insert(out.end(), all.begin() + static_cast<std::ptrdiff_t>(from), all.end());
+  return out;
 }
 
 }  // namespace
@@ -81,16 +95,18 @@ std::optional<HangReport> HangWatchdog::take() {
 }
 
 std::optional<std::pair<std::int64_t, std::chrono::milliseconds>> HangWatchdog::quiet() const {
+  const std::int64_t now = flight::nowNs();
   bool any = false;
-  std::int64_t last = 0, gap = 0, marks = 0;
+  std::int64_t last = baselineNs_.load(), gap = 0, marks = 0;
   for (const auto& w : workers_) {
     const char state = procState(w.pid);
-    if (state == '?' || state == 'Z' || state == 'X') return std::nullopt;  // exiting: the agent's business
+    if (state == '?' || state == 'Z' || state == 'X') continue;  // exited: the others are still judged
     if (!w.ring) continue;
     const auto r = w.ring->read(0);
     if (!r.attached || !r.error.empty()) continue;
     any = true;
     last = std::max({last, r.attachedNs, r.lastCompletedNs, r.progress.lastNs});
+    if (r.progress.busySinceNs != 0) last = now;  // in a long operation (a checkpoint write)
     gap = std::max(gap, r.progress.longestGapNs);
     marks = std::max(marks, r.progress.count);
   }
@@ -98,7 +114,7 @@ std::optional<std::pair<std::int64_t, std::chrono::milliseconds>> HangWatchdog::
   auto timeout = options_.timeout.value_or(autoHangTimeout(gap, marks));
   // Start-up (LibTorch, the data, the first step) is not judged by a timeout sized for steps.
   if (marks == 0) timeout = std::max<std::chrono::milliseconds>(timeout, kBeforeFirstMark);
-  return std::make_pair(flight::nowNs() - last, timeout);
+  return std::make_pair(now - last, timeout);
 }
 
 void HangWatchdog::run() {
@@ -109,8 +125,14 @@ void HangWatchdog::run() {
     std::string by;
     std::int64_t quietNs = 0;
     std::chrono::milliseconds timeout{0};
+    auto lastCheck = std::chrono::steady_clock::now();
     while (by.empty()) {
       if (stopping_.load()) return;
+      // Time this thread did not run (the node suspended, the clock stepped) is nobody's hang:
+      // quiet time counts again from now.
+      const auto checked = std::chrono::steady_clock::now();
+      if (checked - lastCheck > 3s) baselineNs_.store(flight::nowNs());
+      lastCheck = checked;
       if (store_->check({declared})) {
         by = store_->get(declared, 1s);
         break;
@@ -143,7 +165,7 @@ void HangWatchdog::run() {
     const char byte = 1;
     while (::write(notify_[1], &byte, 1) < 0 && errno == EINTR) {
     }
-  } catch (const Error& e) {
+  } catch (const std::exception& e) {  // fsdp::Error from the store; anything else must not end the agent
     if (!stopping_.load()) log::warn("hang watchdog of round {} stopped: {}", options_.round, e.what());
   }
 }
@@ -153,27 +175,38 @@ HangReport HangWatchdog::collect(const std::string& declaredBy, std::int64_t qui
   std::vector<RankView> local;
   for (const auto& w : workers_) {
     RankView v{.rank = w.rank, .host = options_.host, .pid = w.pid};
+    const char state = procState(w.pid);
+    if (state == '?' || state == 'Z' || state == 'X') v.state = "exited";
     if (w.ring) {
-      const auto r = w.ring->read(kRecordsPerRank);
+      const auto r = w.ring->read(flight::kDefaultCapacity);
       v.ringAttached = r.attached;
       v.ringError = r.error;
       v.attachedNs = r.attachedNs;
       v.lastCompletedNs = r.lastCompletedNs;
       v.progress = r.progress;
-      v.records = r.records;
+      v.records = selectRecords(r.records);
     } else {
       v.ringError = "the agent could not make this worker's ring";
     }
     local.push_back(std::move(v));
   }
   // Everyone's records, then the same analysis on every node.
-  const auto gather = [&](const std::string& what) {
+  const auto gather = [&](const std::string& what, std::chrono::milliseconds within) {
     std::vector<std::string> keys;
     for (int n = 0; n < options_.nnodes; ++n) keys.push_back(key(what + "/" + std::to_string(n)));
-    try {
-      store_->wait(keys, options_.exchangeTimeout);
-    } catch (const TimeoutError& e) {
-      log::warn("hang report: {}", e.what());
+    // In slices, so that a round that ends meanwhile is not kept waiting.
+    const auto until = std::chrono::steady_clock::now() + within;
+    for (;;) {
+      try {
+        store_->wait(keys, 500ms);
+        break;
+      } catch (const TimeoutError& e) {
+        if (stopping_.load()) break;
+        if (std::chrono::steady_clock::now() >= until) {
+          log::warn("hang report: {}", e.what());
+          break;
+        }
+      }
     }
     std::vector<RankView> all;
     for (const auto& k : keys) {
@@ -188,10 +221,11 @@ HangReport HangWatchdog::collect(const std::string& declaredBy, std::int64_t qui
     return all;
   };
   store_->set(key("records/" + std::to_string(options_.nodeRank)), rankViewsToJson(local));
-  auto all = gather("records");
+  auto all = gather("records", options_.exchangeTimeout);
   const HangAnalysis analysis = analyzeHang(all, options_.worldSize, now);
   for (auto& v : local) {
-    if (!analysis.lagging.count(v.rank) || stopping_.load()) continue;
+    // An exited worker's pid may belong to someone else by now: never traced.
+    if (!analysis.lagging.count(v.rank) || stopping_.load() || v.state == "exited") continue;
     const auto seen = inspectProcess(static_cast<pid_t>(v.pid), options_.stackTimeout);
     v.state = seen.stateName + (seen.wchan.empty() ? "" : ", waiting in " + seen.wchan);
     v.stack = seen.stack;
@@ -199,11 +233,12 @@ HangReport HangWatchdog::collect(const std::string& declaredBy, std::int64_t qui
   }
   store_->set(key("stacks/" + std::to_string(options_.nodeRank)), rankViewsToJson(local));
   std::map<int, RankView> inspected;
-  for (auto& v : gather("stacks")) inspected[v.rank] = std::move(v);
+  // The other nodes take their stacks meanwhile: wait for as long as that may take.
+  for (auto& v : gather("stacks", options_.stackTimeout + options_.exchangeTimeout)) inspected[v.rank] = std::move(v);
   for (auto& v : all) {
     const auto it = inspected.find(v.rank);
     if (it == inspected.end()) continue;
-    v.state = it->second.state;
+    if (!it->second.state.empty()) v.state = it->second.state;
     v.stack = it->second.stack;
     v.stackError = it->second.stackError;
   }

@@ -40,7 +40,7 @@ struct WatchdogOptions {
   std::string runId;
   std::string token;
   std::chrono::milliseconds exchangeTimeout{10000};
-  std::chrono::milliseconds stackTimeout{10000};
+  std::chrono::milliseconds stackTimeout{5000};
 };
 
 struct HangReport {
@@ -93,6 +93,8 @@ class HangWatchdog {
   std::mutex mutex_;
   std::optional<HangReport> report_;
   std::atomic<bool> stopping_{false};
+  // Quiet time counts from no earlier than this (the round's start, a suspension's end).
+  std::atomic<std::int64_t> baselineNs_{flight::nowNs()};
   std::thread thread_;
 };
 

@@ -149,7 +149,7 @@ TEST(HangPytorch, AScriptWhoseCollectiveTimesOutShowsTheStuckRanksStateAndStacks
   EXPECT_NE(r.err.find("the other workers of its node, still running then:"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("rank 1 (local_rank 1, pid "), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("sleeping"), std::string::npos) << r.err;
-  if (haveStackTool()) {
+  if (haveStackTool() && r.err.find("no stack:") == std::string::npos) {  // Yama may refuse a script
     EXPECT_NE(r.err.find("thread "), std::string::npos) << r.err;
     EXPECT_NE(r.err.find("read"), std::string::npos) << r.err;  // the C read under os.read
   }

@@ -106,7 +106,33 @@ TEST(FlightRing, AttachRefusesAnFdThatIsNoRing) {
   ASSERT_EQ(::ftruncate(fd, 4096), 0);
   std::string why;
   EXPECT_FALSE(RingMemory::attach(fd, &why));
-  EXPECT_NE(why.find("no ring"), std::string::npos) << why;
+  EXPECT_NE(why.find("not the agent's flight recorder"), std::string::npos) << why;
+  EXPECT_NE(::fcntl(fd, F_GETFD), -1);  // not ours: left open
+  ::close(fd);
+}
+
+TEST(FlightRing, ActivityMarksKeepTheStepAndBusyIsReadBack) {
+  RingMemory ring = RingMemory::create(4);
+  Writer w(ring);
+  w.markProgress(12, "trainer step");
+  w.markProgress(-1, "eval batch");
+  w.setBusy(true);
+  auto r = ring.read();
+  EXPECT_EQ(r.progress.step, 12);
+  EXPECT_EQ(r.progress.what, "eval batch");
+  EXPECT_EQ(r.progress.count, 2);
+  EXPECT_GT(r.progress.busySinceNs, 0);
+  w.setBusy(false);
+  EXPECT_EQ(ring.read().progress.busySinceNs, 0);
+}
+
+TEST(FlightRing, GroupsOfMoreThan255RanksKeepTheirRanks) {
+  RingMemory ring = RingMemory::create(4);
+  Writer w(ring);
+  w.issue({.group = "world", .groupSize = 4096, .groupRank = 3000, .seq = 1, .op = Op::kBarrier}, true);
+  const auto r = ring.read().records.at(0);
+  EXPECT_EQ(r.groupSize, 4096);
+  EXPECT_EQ(r.groupRank, 3000);
 }
 
 TEST(FlightRing, ProgressMarksKeepTheLongestGap) {

@@ -80,6 +80,23 @@ TEST(HangAnalysis, ASkippedCollectiveIsADesyncNamingBothOperations) {
             std::string::npos) << joined(a);
 }
 
+// HYBRID_SHARD, 2 nodes x 2 ranks: rank 3 spins. Rank 2 waits in its shard group for it, and so
+// is behind in replicate/0, where rank 0 waits for rank 2: only rank 3 is the cause.
+TEST(HangAnalysis, ARankWaitingInOneGroupIsNotBlamedForBeingBehindInAnother) {
+  const auto r = [](const char* group, std::uint64_t seq, bool done, int groupRank) {
+    return rec(seq, Op::kAllGather, 8, done, groupRank, 2, group);
+  };
+  const std::vector<RankView> views = {
+      view(0, {r("shard/0", 6, true, 0), r("replicate/0", 5, true, 0), r("replicate/0", 6, false, 0)}),
+      view(1, {r("shard/0", 6, true, 1), r("replicate/1", 5, true, 0), r("replicate/1", 6, false, 0)}),
+      view(2, {r("shard/1", 5, true, 0), r("replicate/0", 5, true, 1), r("shard/1", 6, false, 0)}),
+      view(3, {r("shard/1", 5, true, 1), r("replicate/1", 5, true, 1)})};
+  const auto a = analyzeHang(views, 4, kNow);
+  EXPECT_EQ(a.lagging, std::set<int>{3}) << joined(a);
+  EXPECT_NE(joined(a).find("rank 2 never entered replicate/0 #6"), std::string::npos) << joined(a);
+  EXPECT_NE(joined(a).find("it waits in another group itself"), std::string::npos) << joined(a);
+}
+
 TEST(HangAnalysis, RanksWithoutRecordsAreNamedAndInspected) {
   RankView script = view(1, {});
   script.ringAttached = false;

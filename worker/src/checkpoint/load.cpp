@@ -91,6 +91,7 @@ void fillShard(Reader& reader, const Manifest& m, const FlatParamInfo& flat, con
 
 std::optional<TrainingProgress> Checkpointer::loadLatest(FullyShardedDataParallel& model,
                                                          torch::optim::Optimizer* optimizer) {
+  const LongOperation busy;  // a long read is no hang (fsdprun's watchdog)
   wait();
   // Rank 0 picks, everyone loads the same one (a directory listing may lag on shared disks).
   std::int64_t chosen = -1;

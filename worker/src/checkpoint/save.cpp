@@ -142,6 +142,7 @@ void refreshMeta(json& meta, const ShardLayout& layout, torch::optim::Optimizer*
 
 void Checkpointer::save(FullyShardedDataParallel& model, torch::optim::Optimizer* optimizer,
                         const TrainingProgress& progress, bool frozen) {
+  const LongOperation busy;  // a long write is no hang (fsdprun's watchdog)
   wait();  // one save at a time, and their errors surface here
   const int rank = runtime_.rank();
   const int world = runtime_.worldSize();

@@ -1,4 +1,7 @@
 // The process's flight recorder, progress marks and collective tags (flight_recorder.hpp).
+#include <sys/prctl.h>
+#include <unistd.h>
+
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -42,6 +45,9 @@ FlightRecorder::FlightRecorder() {
     std::string why;
     if (fd >= 0) ring_ = flight::RingMemory::attach(fd, &why);
     if (!ring_) log::warn("no flight recorder for the hang watchdog: {}", why);
+    // Where Yama restricts ptrace to descendants, the agent's stack tools (its children) may
+    // attach to this process all the same. Without Yama this fails harmlessly.
+    if (ring_) ::prctl(PR_SET_PTRACER, static_cast<unsigned long>(::getppid()), 0, 0, 0);
   }
   if (!ring_) ring_ = flight::RingMemory::anonymous();
   writer_.emplace(*ring_);
@@ -74,6 +80,16 @@ void FlightRecorder::markProgress(std::int64_t step, std::string_view what) {
   if (writer_) writer_->markProgress(step, what);
 }
 
+void FlightRecorder::enterLongOperation() {
+  std::scoped_lock lock(mutex_);
+  if (writer_ && longOperations_++ == 0) writer_->setBusy(true);
+}
+
+void FlightRecorder::leaveLongOperation() {
+  std::scoped_lock lock(mutex_);
+  if (writer_ && --longOperations_ == 0) writer_->setBusy(false);
+}
+
 std::uint64_t FlightRecorder::issued() const {
   return ring_ ? ring_->header().issued.load(std::memory_order_relaxed) : 0;
 }
@@ -87,6 +103,9 @@ flight::Reading FlightRecorder::read(std::size_t last) const {
 void markProgress(std::int64_t step, std::string_view what) {
   detail::FlightRecorder::process().markProgress(step, what);
 }
+
+LongOperation::LongOperation() { detail::FlightRecorder::process().enterLongOperation(); }
+LongOperation::~LongOperation() { detail::FlightRecorder::process().leaveLongOperation(); }
 
 CommTag::CommTag(std::string_view phase, std::string_view what) {
   std::memcpy(previous_, tlsTag, sizeof(previous_));

@@ -28,6 +28,8 @@ class FlightRecorder {
   void start(std::uint64_t index);
   void complete(std::uint64_t index, bool ok);
   void markProgress(std::int64_t step, std::string_view what);
+  void enterLongOperation();
+  void leaveLongOperation();
   // Collectives recorded so far by this process (0 when off).
   std::uint64_t issued() const;
   // What the agent would read (tests): the newest `last` records.
@@ -38,6 +40,7 @@ class FlightRecorder {
   std::optional<flight::RingMemory> ring_;
   std::optional<flight::Writer> writer_;
   std::mutex mutex_;  // issue() from several threads (the training thread, a checkpoint thread)
+  int longOperations_ = 0;  // under mutex_
 };
 
 // This thread's CommTag text ("" when none).

@@ -25,7 +25,7 @@
 namespace fsdp::flight {
 
 constexpr std::uint64_t kMagic = 0x31544c4650445346ull;  // "FSDPFLT1"
-constexpr std::uint32_t kVersion = 1;
+constexpr std::uint32_t kVersion = 2;
 constexpr std::uint32_t kDefaultCapacity = 4096;
 
 enum class Op : std::uint8_t { kNone = 0, kAllReduce, kAllGather, kReduceScatter, kBroadcast, kBarrier };
@@ -47,7 +47,8 @@ struct alignas(64) Header {
   std::atomic<std::int64_t> progressNs;     // the last mark (0: none)
   std::atomic<std::int64_t> longestGapNs;   // the longest interval between two marks so far
   std::atomic<std::int64_t> lastCompletedNs;  // the newest completion of any collective
-  char progressWhat[32];                    // who marked last ("trainer step", ...)
+  std::atomic<std::int64_t> busySinceNs;    // inside a LongOperation since then (0: not)
+  char progressWhat[24];                    // who marked last ("trainer step", ...)
 };
 
 struct alignas(64) Slot {
@@ -59,8 +60,8 @@ struct alignas(64) Slot {
   std::atomic<std::int64_t> completedNs;  // 0: not completed
   std::atomic<std::uint8_t> state;        // SlotState
   Op op;
-  std::uint8_t groupSize;                 // ranks in the group (capped at 255)
-  std::uint8_t groupRank;
+  std::uint32_t groupSize;                // ranks in the group
+  std::uint32_t groupRank;
   char dtype[12];
   char group[24];
   char tag[48];
@@ -94,6 +95,7 @@ struct Progress {
   std::int64_t lastNs = 0;
   std::int64_t longestGapNs = 0;
   std::string what;
+  std::int64_t busySinceNs = 0;  // in a long operation (a checkpoint write) since then; 0: not
 };
 
 // What a reader could take from a ring.
@@ -164,7 +166,10 @@ class Writer {
   std::uint64_t issue(const Issue& what, bool started);
   void start(std::uint64_t index);
   void complete(std::uint64_t index, bool ok);
+  // A negative `step` marks activity and keeps the step last marked.
   void markProgress(std::int64_t step, std::string_view what);
+  // Enters (true) or leaves (false) a long operation that makes no collective or mark.
+  void setBusy(bool busy);
 
  private:
   Slot* live(std::uint64_t index) const;  // nullptr when the slot was reused since

@@ -23,8 +23,19 @@
 namespace fsdp::worker {
 
 // Records that the program completed `step` (any increasing number). `what` says who marks
-// ("step" by default; the Trainer says "trainer step"), up to 31 characters.
+// ("step" by default; the Trainer says "trainer step"), up to 23 characters. A negative step
+// marks activity (an evaluation batch) and keeps the step last marked.
 void markProgress(std::int64_t step, std::string_view what = "step");
+
+// While alive, this rank is busy, not stalled: for long work that issues no collective and
+// marks nothing (a checkpoint written synchronously). Nests; any thread.
+class LongOperation {
+ public:
+  LongOperation();
+  ~LongOperation();
+  LongOperation(const LongOperation&) = delete;
+  LongOperation& operator=(const LongOperation&) = delete;
+};
 
 // While alive, the collectives this thread issues carry "<phase> <what>" (e.g. "backward
 // blocks.3"), up to 47 characters, as who asked for them. Tags nest: the inner one wins and the
@@ -44,5 +55,6 @@ class CommTag {
 
 namespace fsdp {
 using worker::CommTag;
+using worker::LongOperation;
 using worker::markProgress;
 }  // namespace fsdp
