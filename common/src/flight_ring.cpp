@@ -19,7 +19,7 @@ namespace {
 template <std::size_t N>
 void copyText(char (&to)[N], std::string_view from) {
   const std::size_t n = std::min(from.size(), N - 1);
-  std::memcpy(to, from.data(), n);
+  if (n > 0) std::memcpy(to, from.data(), n);  // an empty view may hold no pointer at all
   std::memset(to + n, 0, N - n);
 }
 

@@ -17,7 +17,7 @@ thread_local char tlsTag[48] = {0};
 
 void setTag(std::string_view phase, std::string_view what) {
   std::size_t n = std::min(phase.size(), sizeof(tlsTag) - 1);
-  std::memcpy(tlsTag, phase.data(), n);
+  if (n > 0) std::memcpy(tlsTag, phase.data(), n);  // an empty view may hold no pointer at all
   if (!what.empty() && n + 1 < sizeof(tlsTag) - 1) {
     tlsTag[n++] = ' ';
     const std::size_t m = std::min(what.size(), sizeof(tlsTag) - 1 - n);
