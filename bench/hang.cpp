@@ -58,21 +58,12 @@ std::vector<std::string> job(const std::string& runId, const std::string& metric
   return argv;
 }
 
-// GCC 12 warns falsely about std::string appends here (GCC bug 105329).
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Warray-bounds"
-#pragma GCC diagnostic ignored "-Wstringop-overflow"
-#pragma GCC diagnostic ignored "-Wstringop-overread"
 std::vector<std::string> environment(const std::string& runId, bool recorder) {
-  std::vector<std::string> env;
-  for (const auto& e : currentEnvironment()) {
-    if (!e.starts_with("FSDPRUN_FLIGHT_RECORDER=")) env.push_back(e);
-  }
-  env.push_back("FSDP_BENCH_RECOVERY_RUN=" + runId);
-  env.push_back(std::string("FSDPRUN_FLIGHT_RECORDER=") + (recorder ? "1" : "0"));
+  auto env = jobEnvironment(runId);
+  std::erase_if(env, [](const std::string& e) { return e.starts_with("FSDPRUN_FLIGHT_RECORDER="); });
+  env.emplace_back(recorder ? "FSDPRUN_FLIGHT_RECORDER=1" : "FSDPRUN_FLIGHT_RECORDER=0");
   return env;
 }
-#pragma GCC diagnostic pop
 
 void stallCase(const std::string& which, long long steps, long long stallStep) {
   RunDir dir;

@@ -106,18 +106,6 @@ struct Config {
   bool standby = true;  // fsdprun --standby: spare workers wait in fsdp::init() for a restart
 };
 
-std::vector<std::string> environmentWith(const std::string& runId) {
-  std::vector<std::string> env;
-  for (const auto& e : currentEnvironment()) {
-    if (!e.starts_with("OMP_NUM_THREADS=")) env.push_back(e);
-  }
-  env.push_back("OMP_NUM_THREADS=1");  // 2 ranks on 2 cores, on both sides
-  // fsdprun gives its workers this malloc setting (huge pages); torchrun's get it here too.
-  if (std::getenv("GLIBC_TUNABLES") == nullptr) env.push_back("GLIBC_TUNABLES=glibc.malloc.hugetlb=1");
-  env.push_back("FSDP_BENCH_RECOVERY_RUN=" + runId);
-  return env;
-}
-
 // The training program of `model` under fsdprun: a train line per step in `metrics`.
 std::vector<std::string> trainer(const std::string& model, const Config& c,
                                  const std::string& metrics, int snapshotEvery) {
@@ -154,7 +142,7 @@ Observed runOurs(const std::string& model, const Config& c, const Layout& layout
                  int snapshotEvery, KillAt at) {
   RunDir dir;
   Launch launch{.runId = newRunId(), .metricsFile = dir.path() + "/metrics.jsonl"};
-  launch.env = environmentWith(launch.runId);
+  launch.env = jobEnvironment(launch.runId);
   const auto worker = trainer(model, c, launch.metricsFile, snapshotEvery);
   const std::string fsdprun = binDir() + "/fsdprun";
   const auto limit = std::chrono::seconds(120 + 4 * c.steps);
@@ -188,7 +176,7 @@ Observed runOurs(const std::string& model, const Config& c, const Layout& layout
 Observed runPeer(const Config& c, int checkpointEvery, KillAt at) {
   RunDir dir;
   Launch launch{.runId = newRunId(), .metricsFile = dir.path() + "/metrics.jsonl"};
-  launch.env = environmentWith(launch.runId);
+  launch.env = jobEnvironment(launch.runId);
   fs::create_directories(dir.path() + "/ckpt");
   // The c10d backend on a free port rather than --standalone, which replaces --rdzv_id.
   std::vector<std::string> argv = {"/usr/bin/python3", c.torchrun, "--monitor_interval", "0.1",

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cerrno>
 #include <filesystem>
 #include <fstream>
@@ -235,6 +236,17 @@ class MetricsTail {
 };
 
 }  // namespace
+
+std::vector<std::string> jobEnvironment(const std::string& runId) {
+  std::vector<std::string> env;
+  for (const auto& e : currentEnvironment()) {
+    if (!e.starts_with("OMP_NUM_THREADS=")) env.push_back(e);
+  }
+  env.push_back("OMP_NUM_THREADS=1");
+  if (std::getenv("GLIBC_TUNABLES") == nullptr) env.push_back("GLIBC_TUNABLES=glibc.malloc.hugetlb=1");
+  env.push_back("FSDP_BENCH_RECOVERY_RUN=" + runId);
+  return env;
+}
 
 Observed runJob(const Launch& launch, const RunDir& dir, Kill kill, KillAt at,
                 std::chrono::seconds limit) {

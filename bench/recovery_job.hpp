@@ -18,6 +18,11 @@ double unixNow();
 // The folder of this fsdp-bench binary (fsdprun, fsdprun-rdzv, mnist and gpt live there too).
 std::string binDir();
 
+// The launchers' environment: this one's, OMP_NUM_THREADS=1 (ranks on 2 cores, on both sides),
+// fsdprun's malloc setting for torchrun's workers too, and FSDP_BENCH_RECOVERY_RUN=runId, by
+// which runJob finds what a job left behind.
+std::vector<std::string> jobEnvironment(const std::string& runId);
+
 // A private scratch directory, removed with what is in it.
 class RunDir {
  public:

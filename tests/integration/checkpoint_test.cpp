@@ -17,6 +17,7 @@
 #include "fsdp/common/process.hpp"
 #include "processes.hpp"
 #include "run_command.hpp"
+#include "summary_line.hpp"
 
 namespace {
 
@@ -24,6 +25,7 @@ namespace fs = std::filesystem;
 using fsdp::testing::countOccurrences;
 using fsdp::testing::readFile;
 using fsdp::testing::runCommand;
+using fsdp::testing::summaryOf;
 using fsdp::testing::TempDir;
 using namespace std::chrono_literals;
 
@@ -33,12 +35,6 @@ const std::string kData = "/usr/share/datasets/fashion-mnist";
 bool haveData() { return fs::exists(kData); }
 
 // The last line of rank 0's output: the summary JSON.
-nlohmann::json summaryOf(const std::string& out) {
-  const auto brace = out.rfind("{\"");
-  if (brace == std::string::npos) return {};
-  return nlohmann::json::parse(out.substr(brace, out.find('\n', brace) - brace), nullptr, false);
-}
-
 std::vector<std::string> mnistJob(const std::string& ckptDir, const std::vector<std::string>& launcher,
                                   const std::vector<std::string>& extra) {
   std::vector<std::string> argv = {kBin + "/fsdprun"};

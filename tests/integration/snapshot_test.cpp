@@ -19,12 +19,14 @@
 #include "processes.hpp"
 #include "rdzv_daemon.hpp"
 #include "run_command.hpp"
+#include "summary_line.hpp"
 
 namespace {
 
 namespace fs = std::filesystem;
 using fsdp::testing::readFile;
 using fsdp::testing::runCommand;
+using fsdp::testing::summaryOf;
 using fsdp::testing::TempDir;
 using nlohmann::json;
 using namespace std::chrono_literals;
@@ -34,12 +36,6 @@ const std::string kData = "/usr/share/datasets/fashion-mnist";
 constexpr int kSteps = 40;
 
 bool haveData() { return fs::exists(kData); }
-
-json summaryOf(const std::string& out) {
-  const auto brace = out.rfind("{\"");
-  if (brace == std::string::npos) return {};
-  return json::parse(out.substr(brace, out.find('\n', brace) - brace), nullptr, false);
-}
 
 std::vector<json> metricsLines(const std::string& path) {
   std::vector<json> lines;

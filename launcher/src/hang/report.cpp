@@ -13,12 +13,6 @@ namespace {
 
 using nlohmann::json;
 
-std::string seconds(std::int64_t ns) {
-  char text[32];
-  std::snprintf(text, sizeof(text), "%.1f s", static_cast<double>(ns) / 1e9);
-  return text;
-}
-
 std::string rankList(const std::vector<int>& ranks) {
   std::string out = ranks.size() == 1 ? "rank " : "ranks ";
   for (std::size_t i = 0; i < ranks.size(); ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);
@@ -57,6 +51,12 @@ std::string signature(const flight::Record& r) {
 }
 
 }  // namespace
+
+std::string secondsText(std::int64_t ns) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.1f s", static_cast<double>(ns) / 1e9);
+  return text;
+}
 
 std::string describeRecord(const flight::Record& r) {
   std::string out = r.group + " #" + std::to_string(r.seq) + " " + signature(r);
@@ -129,7 +129,7 @@ HangAnalysis analyzeHang(const std::vector<RankView>& views, int worldSize, std:
   const auto lastProgress = [&](const RankView& v) {
     if (v.progress.count == 0) return std::string("no progress mark yet");
     return "last progress mark: " + v.progress.what + " " + std::to_string(v.progress.step) + ", " +
-           seconds(nowNs - v.progress.lastNs) + " ago";
+           secondsText(nowNs - v.progress.lastNs) + " ago";
   };
 
   // Every group any rank recorded: its members (group rank -> rank) and their records by seq.
@@ -206,7 +206,7 @@ HangAnalysis analyzeHang(const std::vector<RankView>& views, int worldSize, std:
       longest = std::max(longest, nowNs - it->second->issuedNs);
       example = it->second;
     }
-    a.lines.push_back(rankList(waiting) + " wait in " + describeRecord(*example) + " for " + seconds(longest));
+    a.lines.push_back(rankList(waiting) + " wait in " + describeRecord(*example) + " for " + secondsText(longest));
     bool someoneMissing = false;
     for (int groupRank = 0; groupRank < g.size; ++groupRank) {
       const auto it = g.members.find(groupRank);
@@ -232,7 +232,7 @@ HangAnalysis analyzeHang(const std::vector<RankView>& views, int worldSize, std:
       const flight::Record& r = *last->second;
       std::string line = "rank " + std::to_string(m.rank) + " never entered " + name + " #" + std::to_string(*stuck) +
                          ": its last collective was " + describeRecord(r);
-      if (r.completedNs != 0) line += ", completed " + seconds(nowNs - r.completedNs) + " ago";
+      if (r.completedNs != 0) line += ", completed " + secondsText(nowNs - r.completedNs) + " ago";
       if (waitingSomewhere.count(m.rank)) {
         line += "; it waits in another group itself";
       } else {

@@ -52,6 +52,9 @@ HangAnalysis analyzeHang(const std::vector<RankView>& views, int worldSize, std:
 std::string formatHangReport(const std::string& headline, const HangAnalysis& analysis,
                              const std::vector<RankView>& views);
 
+// "5.7 s"
+std::string secondsText(std::int64_t ns);
+
 // "world #57 all_reduce of 1 float (trainer metrics)"
 std::string describeRecord(const flight::Record& record);
 

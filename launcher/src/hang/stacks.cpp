@@ -188,6 +188,10 @@ std::string gdbText(const std::string& raw) {
 
 }  // namespace
 
+char processState(pid_t pid) {
+  return pid > 0 ? readState("/proc/" + std::to_string(pid)).value_or('?') : '?';
+}
+
 std::string processStateName(char state) {
   // clang-format off
   static constexpr std::pair<char, const char*> kNames[] = {

@@ -37,6 +37,9 @@ struct ProcessInspection {
 // failures of this process itself (no memory, no file descriptors).
 ProcessInspection inspectProcess(pid_t pid, std::chrono::milliseconds timeout);
 
+// The /proc/<pid>/stat state letter of `pid` (R S D T t Z X); '?' when the process is gone.
+char processState(pid_t pid);
+
 // The human name of a /proc state letter ('?' gives "gone").
 std::string processStateName(char state);
 

@@ -6,8 +6,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstdio>
-#include <fstream>
 #include <map>
 #include <set>
 
@@ -22,21 +20,6 @@ namespace {
 
 using namespace std::chrono_literals;
 constexpr std::size_t kRecordsPerRank = 64;
-
-// /proc/<pid>/stat's state letter; '?' when the process is gone.
-char procState(pid_t pid) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
-  std::string text;
-  if (!in || !std::getline(in, text)) return '?';
-  const auto close = text.rfind(')');
-  return close == std::string::npos || close + 2 >= text.size() ? '?' : text[close + 2];
-}
-
-std::string secondsText(double s) {
-  char text[32];
-  std::snprintf(text, sizeof(text), "%.1f s", s);
-  return text;
-}
 
 // What a node sends of a rank's ring: the newest kRecordsPerRank records, plus the oldest one
 // not completed of each group (a host that ran ahead of its device can have many after it).
@@ -99,7 +82,7 @@ std::optional<std::pair<std::int64_t, std::chrono::milliseconds>> HangWatchdog::
   bool any = false;
   std::int64_t last = baselineNs_.load(), gap = 0, marks = 0;
   for (const auto& w : workers_) {
-    const char state = procState(w.pid);
+    const char state = processState(w.pid);
     if (state == '?' || state == 'Z' || state == 'X') continue;  // exited: the others are still judged
     if (!w.ring) continue;
     const auto r = w.ring->read(0);
@@ -144,7 +127,7 @@ void HangWatchdog::run() {
           by = options_.host + " (node " + std::to_string(options_.nodeRank) + ")";
           store_->set(declared, by);
           log::error("no rank on this node completed a collective or marked progress for {}: declaring the job hung",
-                     secondsText(static_cast<double>(q->first) / 1e9));
+                     secondsText(q->first));
           break;
         }
       }
@@ -175,7 +158,7 @@ HangReport HangWatchdog::collect(const std::string& declaredBy, std::int64_t qui
   std::vector<RankView> local;
   for (const auto& w : workers_) {
     RankView v{.rank = w.rank, .host = options_.host, .pid = w.pid};
-    const char state = procState(w.pid);
+    const char state = processState(w.pid);
     if (state == '?' || state == 'Z' || state == 'X') v.state = "exited";
     if (w.ring) {
       const auto r = w.ring->read(flight::kDefaultCapacity);
@@ -245,8 +228,8 @@ HangReport HangWatchdog::collect(const std::string& declaredBy, std::int64_t qui
   std::string headline = "the job is hung (declared by " + declaredBy + ")";
   if (quietNs > 0) {
     headline += ": no rank on " + options_.host + " completed a collective or marked progress for " +
-                secondsText(static_cast<double>(quietNs) / 1e9) + " (hang timeout " +
-                secondsText(static_cast<double>(timeout.count()) / 1000) + (options_.timeout ? "" : ", auto") + ")";
+                secondsText(quietNs) + " (hang timeout " +
+                secondsText(std::chrono::nanoseconds(timeout).count()) + (options_.timeout ? "" : ", auto") + ")";
   }
   HangReport report;
   report.text = formatHangReport(headline, analysis, all);

@@ -13,12 +13,14 @@
 #include "fsdp/common/process.hpp"
 #include "processes.hpp"
 #include "run_command.hpp"
+#include "summary_line.hpp"
 
 namespace {
 
 namespace fs = std::filesystem;
 using fsdp::testing::readFile;
 using fsdp::testing::runCommand;
+using fsdp::testing::summaryOf;
 using fsdp::testing::TempDir;
 using nlohmann::json;
 using namespace std::chrono_literals;
@@ -27,12 +29,6 @@ const std::string kBin = FSDP_BIN_DIR;
 const std::string kData = "/usr/share/datasets/fashion-mnist";
 constexpr int kSteps = 16;
 constexpr int kStallStep = 6;
-
-json summaryOf(const std::string& out) {
-  const auto brace = out.rfind("{\"");
-  if (brace == std::string::npos) return {};
-  return json::parse(out.substr(brace, out.find('\n', brace) - brace), nullptr, false);
-}
 
 std::vector<std::string> mnist(const std::vector<std::string>& extra) {
   std::vector<std::string> argv = {kBin + "/mnist", "--max_steps", std::to_string(kSteps), "--no_eval",
