@@ -327,8 +327,11 @@ ParseResult parseCommandLine(int argc, const char* const* argv, const EnvLookup&
     o.nprocPerNode = parseNprocPerNode(nproc, cpus,
                                        nproc == "auto" || nproc == "gpu" ? countGpus(env) : 0);
   }
-  if (!text["node_rank"].empty()) {
-    const auto rank = parseInt(text["node_rank"]);
+  const bool slurmRank = o.sources.count("node_rank") > 0 && o.sources.at("node_rank").starts_with("Slurm");
+  if (const auto rank = parseInt(text["node_rank"]); slurmRank && rank && *rank >= o.maxNodes) {
+    // Slurm gave more nodes than --nnodes asks for: this one waits as a spare (no preferred rank).
+    o.sources["node_rank"] += " (beyond --nnodes " + text["nnodes"] + ": a spare node)";
+  } else if (!text["node_rank"].empty()) {
     if (!rank || *rank < 0 || *rank >= o.maxNodes) {
       throw ConfigError("--node_rank '" + text["node_rank"] + "': expected 0 to " +
                         std::to_string(o.maxNodes - 1) + " (--nnodes is " + text["nnodes"] + ")");

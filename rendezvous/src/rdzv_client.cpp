@@ -83,6 +83,7 @@ Assignment RendezvousClient::join(const JoinRequest& request, std::chrono::milli
         throw Error("rendezvous: server " + endpoint() + " refused node " + request.node + ": " +
                     event->reason);
       case EventKind::kRoundEnded: break;  // a stale notice from the previous round
+      case EventKind::kSpare: break;       // waits on as a spare
     }
   }
 }
@@ -124,7 +125,7 @@ std::optional<RendezvousEvent> RendezvousClient::nextEvent(std::chrono::millisec
   }
   const Response resp = decodeResponse(body, Limits{});
   if (resp.number < static_cast<int>(EventKind::kAssigned) ||
-      resp.number > static_cast<int>(EventKind::kRunFailed)) {
+      resp.number > static_cast<int>(EventKind::kSpare)) {
     throw ProtocolError("rendezvous: server " + endpoint() + " sent an unknown event kind " +
                         std::to_string(resp.number));
   }

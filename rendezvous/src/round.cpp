@@ -20,7 +20,12 @@ std::string encodeJoin(const JoinRequest& j) {
               {"max_restarts", j.maxRestarts},
               {"last_call_ms", j.lastCallTimeout.count()},
               {"join_timeout_ms", j.joinTimeout.count()},
-              {"heartbeat_timeout_ms", j.heartbeatTimeout.count()}}
+              {"heartbeat_timeout_ms", j.heartbeatTimeout.count()},
+              {"last_round", j.lastRound},
+              {"last_rank", j.lastRank},
+              {"restarts", j.restarts},
+              {"program", j.program},
+              {"serves", j.servesRendezvous}}
       .dump();
 }
 
@@ -39,6 +44,15 @@ JoinRequest decodeJoin(const std::string& text) {
     r.lastCallTimeout = std::chrono::milliseconds(j.at("last_call_ms").get<std::int64_t>());
     r.joinTimeout = std::chrono::milliseconds(j.at("join_timeout_ms").get<std::int64_t>());
     r.heartbeatTimeout = std::chrono::milliseconds(j.at("heartbeat_timeout_ms").get<std::int64_t>());
+    r.lastRound = j.value("last_round", -1);
+    r.lastRank = j.value("last_rank", -1);
+    r.restarts = j.value("restarts", 0);
+    r.program = j.value("program", std::string());
+    r.servesRendezvous = j.value("serves", false);
+    if (r.lastRound < -1 || r.lastRank < -1 || r.restarts < 0) {
+      throw ProtocolError("JOIN: last_round, last_rank and restarts must not be negative");
+    }
+    if (r.program.size() > 65536) throw ProtocolError("JOIN: program must be at most 64 KiB");
     if (r.node.empty() || r.node.size() > 255) throw ProtocolError("JOIN: node name must be 1-255 bytes");
     if (r.localWorldSize < 1 || r.localWorldSize > 65536) {
       throw ProtocolError("JOIN: local_world_size " + std::to_string(r.localWorldSize) + " out of range");
@@ -57,6 +71,26 @@ JoinRequest decodeJoin(const std::string& text) {
   }
 }
 
+namespace {
+
+json successorsJson(const std::vector<Successor>& successors) {
+  json list = json::array();
+  for (const auto& s : successors) list.push_back({{"node", s.node}, {"address", s.address}});
+  return list;
+}
+
+std::vector<Successor> successorsFrom(const json& j) {
+  std::vector<Successor> successors;
+  if (!j.contains("successors")) return successors;
+  for (const auto& s : j.at("successors")) {
+    successors.push_back({s.at("node").get<std::string>(), s.at("address").get<std::string>()});
+    if (successors.size() > kMaxSuccessors) throw ProtocolError("more than " + std::to_string(kMaxSuccessors) + " successors");
+  }
+  return successors;
+}
+
+}  // namespace
+
 std::string encodeAssignment(const Assignment& a) {
   return json{{"round", a.round},
               {"node_rank", a.nodeRank},
@@ -66,7 +100,8 @@ std::string encodeAssignment(const Assignment& a) {
               {"master_addr", a.masterAddr},
               {"master_port", a.masterPort},
               {"restart_count", a.restartCount},
-              {"pytorch_store", a.pytorchStore}}
+              {"pytorch_store", a.pytorchStore},
+              {"successors", successorsJson(a.successors)}}
       .dump();
 }
 
@@ -77,7 +112,7 @@ Assignment decodeAssignment(const std::string& text) {
                       j.at("rank_offset").get<int>(), j.at("world_size").get<int>(),
                       j.at("nnodes").get<int>(),      j.at("master_addr").get<std::string>(),
                       j.at("master_port").get<int>(), j.value("restart_count", 0),
-                      j.value("pytorch_store", false)};
+                      j.value("pytorch_store", false), successorsFrom(j)};
   } catch (const json::exception& e) {
     throw ProtocolError(std::string("malformed assignment: ") + e.what());
   }
@@ -87,6 +122,7 @@ std::string encodeEventPayload(const Event& event) {
   if (event.kind == EventKind::kAssigned) return encodeAssignment(event.assignment);
   json j{{"reason", event.reason}};
   if (!event.failure.empty()) j["failure"] = json::parse(event.failure, nullptr, false);
+  if (event.kind == EventKind::kSpare) j["successors"] = successorsJson(event.assignment.successors);
   return j.dump();
 }
 
@@ -101,6 +137,13 @@ void decodeEventPayload(const std::string& payload, Event& event) {
   }
   event.reason = j["reason"].get<std::string>();
   if (j.contains("failure") && !j["failure"].is_null()) event.failure = j["failure"].dump();
+  if (event.kind == EventKind::kSpare) {
+    try {
+      event.assignment.successors = successorsFrom(j);
+    } catch (const json::exception& e) {
+      throw ProtocolError(std::string("malformed spare event: ") + e.what());
+    }
+  }
 }
 
 std::vector<Event> RoundState::join(AgentId agent, JoinRequest request, Clock::time_point now) {
@@ -120,12 +163,26 @@ std::vector<Event> RoundState::join(AgentId agent, JoinRequest request, Clock::t
                   "node " + request.node + " asks for --max_restarts " +
                       std::to_string(request.maxRestarts) + " but the run has " +
                       std::to_string(params_->maxRestarts)}};
+  } else if (!request.program.empty() && !params_->program.empty() && request.program != params_->program) {
+    return {Event{agent, EventKind::kJoinFailed, {},
+                  "node " + request.node + " runs '" + request.program.substr(0, 300) + "' but the run runs '" +
+                      params_->program.substr(0, 300) + "': refused"}};
   }
+  if (params_->program.empty()) params_->program = request.program;
+  // A server that took over goes on with the run's numbering and restart count.
+  if (members_.empty() && request.lastRound > round_) round_ = request.lastRound;
+  failures_ = std::max(failures_, request.restarts);
   const std::string node = request.node;
   waiting_.emplace(agent, Waiter{std::move(request), now, joinOrder_++});
   std::vector<Event> events;
   if (!members_.empty() && static_cast<int>(members_.size()) < params_->maxNodes) {
-    events = endRunningRound("node " + node + " joined");
+    events = endRunningRound(now, "node " + node + " joined");
+  } else if (!members_.empty()) {
+    Event spare{agent, EventKind::kSpare, {},
+                "run at its maximum of " + std::to_string(params_->maxNodes) + " nodes: node " + node +
+                    " waits as a spare and takes the place of the next node lost"};
+    spare.assignment.successors = successors_;
+    events.push_back(std::move(spare));
   }
   auto more = tryComplete(now, false);
   events.insert(events.end(), more.begin(), more.end());
@@ -142,7 +199,7 @@ std::vector<Event> RoundState::leave(AgentId agent, const std::string& reason, C
   if (it == members_.end()) return {};
   const std::string node = it->second.request.node;
   members_.erase(it);
-  auto events = endRunningRound("node " + node + " left: " + reason);
+  auto events = endRunningRound(now, "node " + node + " left: " + reason);
   auto more = tryComplete(now, false);
   events.insert(events.end(), more.begin(), more.end());
   return events;
@@ -166,7 +223,7 @@ std::vector<Event> RoundState::endRound(AgentId agent, const std::string& reason
                       std::to_string(params_->maxRestarts) + " used)",
                   failure);
   }
-  auto events = endRunningRound("node " + node + " asked to restart: " + reason, failure);
+  auto events = endRunningRound(now, "node " + node + " asked to restart: " + reason, failure);
   auto more = tryComplete(now, false);
   events.insert(events.end(), more.begin(), more.end());
   return events;
@@ -218,18 +275,25 @@ std::vector<Event> RoundState::tick(Clock::time_point now) {
     auto more = leave(agent, "no heartbeat for " + std::to_string(timeout.count()) + " ms", now);
     events.insert(events.end(), more.begin(), more.end());
   }
-  // Joiners that waited too long.
+  // Joiners that waited too long for a round (spares wait while one runs).
   std::vector<AgentId> expired;
   for (const auto& [agent, w] : waiting_) {
-    if (now - w.joinedAt >= w.request.joinTimeout) expired.push_back(agent);
+    if (members_.empty() && now - std::max(w.joinedAt, idleSince_) >= w.request.joinTimeout) {
+      expired.push_back(agent);
+    }
   }
+  const std::size_t came = waiting_.size();
   for (const AgentId agent : expired) {
     const auto& w = waiting_.at(agent);
-    events.push_back({agent, EventKind::kJoinFailed, {},
-                      "join timed out after " + std::to_string(w.request.joinTimeout.count()) +
-                          " ms: " + std::to_string(waiting_.size()) + " of " +
-                          std::to_string(params_ ? params_->minNodes : 1) +
-                          " nodes needed have joined"});
+    std::string why = "join timed out after " + std::to_string(w.request.joinTimeout.count()) + " ms: " +
+                      std::to_string(came) + " of " + std::to_string(params_ ? params_->minNodes : 1) +
+                      " nodes needed have joined";
+    if (round_ >= 0) {
+      why += " since round " + std::to_string(round_) +
+             " ended; the other nodes are lost or cut off (a network partition): a side with fewer than "
+             "the minimum nodes forms no round";
+    }
+    events.push_back({agent, EventKind::kJoinFailed, {}, why});
     waiting_.erase(agent);
   }
   if (params_ && static_cast<int>(waiting_.size()) < params_->minNodes) lastCallAt_.reset();
@@ -245,13 +309,16 @@ std::optional<Clock::time_point> RoundState::nextDeadline() const {
     if (!next || t < *next) next = t;
   };
   for (const auto& [agent, m] : members_) consider(m.lastSeen + m.request.heartbeatTimeout);
-  for (const auto& [agent, w] : waiting_) consider(w.joinedAt + w.request.joinTimeout);
+  if (members_.empty()) {
+    for (const auto& [agent, w] : waiting_) consider(std::max(w.joinedAt, idleSince_) + w.request.joinTimeout);
+  }
   return next;
 }
 
-std::vector<Event> RoundState::endRunningRound(const std::string& reason,
+std::vector<Event> RoundState::endRunningRound(Clock::time_point now, const std::string& reason,
                                                const std::string& failure) {
   std::vector<Event> events;
+  if (!members_.empty()) idleSince_ = now;
   previous_.clear();
   for (const auto& [agent, m] : members_) {
     events.push_back({agent, EventKind::kRoundEnded, {}, reason, failure});
@@ -259,6 +326,17 @@ std::vector<Event> RoundState::endRunningRound(const std::string& reason,
   }
   members_.clear();
   return events;
+}
+
+std::vector<Successor> RoundState::successorsOf(
+    const std::vector<std::pair<AgentId, const JoinRequest*>>& ranked) const {
+  std::vector<Successor> successors;
+  for (const auto& [agent, r] : ranked) {
+    if (r->servesRendezvous) continue;
+    successors.push_back({r->node, r->address});
+    if (successors.size() == kMaxSuccessors) break;
+  }
+  return successors;
 }
 
 void RoundState::armLastCall(Clock::time_point now) {
@@ -277,14 +355,27 @@ std::vector<Event> RoundState::tryComplete(Clock::time_point now, bool lastCallE
     armLastCall(now);
     if (params_->lastCallTimeout.count() > 0) return {};
   }
-  // Members: the first max_nodes joiners, in join order; the rest stay on standby.
+  // A returning member: it was in the last round, so it keeps its node rank if it can.
+  const auto returning = [this](const JoinRequest& r) { return r.lastRound == round_ && r.lastRank >= 0; };
+  // Members: returning ones first (by their old rank), then the first joiners in join order
+  // (preferred ranks first); the rest stay on as spares.
   std::vector<std::pair<AgentId, const Waiter*>> chosen;
   for (const auto& [agent, w] : waiting_) chosen.emplace_back(agent, &w);
-  std::sort(chosen.begin(), chosen.end(),
-            [](const auto& a, const auto& b) { return a.second->order < b.second->order; });
+  std::sort(chosen.begin(), chosen.end(), [&](const auto& a, const auto& b) {
+    const auto& ra = a.second->request;
+    const auto& rb = b.second->request;
+    if (returning(ra) != returning(rb)) return returning(ra);
+    if (returning(ra) && ra.lastRank != rb.lastRank) return ra.lastRank < rb.lastRank;
+    if ((ra.preferredRank >= 0) != (rb.preferredRank >= 0)) return ra.preferredRank >= 0;
+    if (ra.preferredRank != rb.preferredRank) return ra.preferredRank < rb.preferredRank;
+    return a.second->order < b.second->order;
+  });
   if (static_cast<int>(chosen.size()) > params_->maxNodes) chosen.resize(params_->maxNodes);
-  // Deterministic node ranks: preferred rank first, then node name, then agent id.
-  std::sort(chosen.begin(), chosen.end(), [](const auto& a, const auto& b) {
+  const int n = static_cast<int>(chosen.size());
+  // Node ranks. Returning members keep theirs when all fit below n (newcomers fill the holes a
+  // lost node left, in the order of the first round's rule); else every member closes ranks
+  // in its old order. A first round: preferred rank first, then node name, then agent id.
+  const auto firstRoundOrder = [](const auto& a, const auto& b) {
     const auto& ra = a.second->request;
     const auto& rb = b.second->request;
     const bool pa = ra.preferredRank >= 0;
@@ -293,11 +384,44 @@ std::vector<Event> RoundState::tryComplete(Clock::time_point now, bool lastCallE
     if (pa && ra.preferredRank != rb.preferredRank) return ra.preferredRank < rb.preferredRank;
     if (ra.node != rb.node) return ra.node < rb.node;
     return a.first < b.first;
-  });
+  };
+  std::vector<std::pair<AgentId, const Waiter*>> ranked(static_cast<std::size_t>(n), {0, nullptr});
+  std::vector<std::pair<AgentId, const Waiter*>> newcomers;
+  bool keep = true;
+  std::vector<bool> taken(static_cast<std::size_t>(n), false);
+  for (const auto& c : chosen) {
+    const int last = c.second->request.lastRank;
+    if (!returning(c.second->request)) {
+      newcomers.push_back(c);
+    } else if (last >= n || taken[static_cast<std::size_t>(last)]) {
+      keep = false;
+    } else {
+      taken[static_cast<std::size_t>(last)] = true;
+    }
+  }
+  if (keep) {
+    for (const auto& c : chosen) {
+      if (returning(c.second->request)) ranked[static_cast<std::size_t>(c.second->request.lastRank)] = c;
+    }
+    std::sort(newcomers.begin(), newcomers.end(), firstRoundOrder);
+    auto next = newcomers.begin();
+    for (auto& slot : ranked) {
+      if (slot.second == nullptr) slot = *next++;
+    }
+  } else {
+    const auto old = static_cast<std::size_t>(chosen.size() - newcomers.size());  // returning, by old rank
+    std::sort(newcomers.begin(), newcomers.end(), firstRoundOrder);
+    std::copy(chosen.begin(), chosen.begin() + static_cast<std::ptrdiff_t>(old), ranked.begin());
+    std::copy(newcomers.begin(), newcomers.end(), ranked.begin() + static_cast<std::ptrdiff_t>(old));
+  }
+  chosen = std::move(ranked);
   ++round_;
   int worldSize = 0;
   for (const auto& [agent, w] : chosen) worldSize += w->request.localWorldSize;
   const auto& master = chosen.front().second->request;
+  std::vector<std::pair<AgentId, const JoinRequest*>> members;
+  for (const auto& [agent, w] : chosen) members.emplace_back(agent, &w->request);
+  successors_ = successorsOf(members);
   std::vector<Event> events;
   int offset = 0;
   for (std::size_t i = 0; i < chosen.size(); ++i) {
@@ -305,7 +429,7 @@ std::vector<Event> RoundState::tryComplete(Clock::time_point now, bool lastCallE
     events.push_back({agent, EventKind::kAssigned,
                       Assignment{round_, static_cast<int>(i), offset, worldSize,
                                  static_cast<int>(chosen.size()), master.address, master.masterPort,
-                                 failures_},
+                                 failures_, false, successors_},
                       {}});
     offset += w->request.localWorldSize;
   }

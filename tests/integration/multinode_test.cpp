@@ -251,7 +251,7 @@ void stopHostAndCheckNothingSurvives(int sig) {
         dir, "agent" + std::to_string(node),
         withCommand(jobArgs("2", port, runId, node,
                             {"--nproc_per_node", "2", "--shutdown_timeout", "5", "--rdzv_conf",
-                             node == 0 ? "is_host=true" : "is_host=false"}),
+                             std::string(node == 0 ? "is_host=true" : "is_host=false") + ",join_timeout=4"}),
                     {"/bin/sh", "-c", script})));
   }
   const auto pids = fsdp::testing::waitForPidFiles(dir.path(), {"0", "1", "2", "3"}, 60s);
@@ -263,9 +263,16 @@ void stopHostAndCheckNothingSurvives(int sig) {
   if (sig == SIGTERM) {
     EXPECT_EQ(*hostCode, 128 + SIGTERM) << agents[0]->output();
   }
-  const auto otherCode = agents[1]->wait(20s);
+  // SIGTERM closes the run. After SIGKILL the survivor moves the rendezvous to itself (the
+  // last round's successor) and, alone below --nnodes 2, forms no round: it gives up after the
+  // join timeout, saying why.
+  const auto otherCode = agents[1]->wait(40s);
   ASSERT_TRUE(otherCode.has_value());
   EXPECT_EQ(*otherCode, 1) << agents[1]->output();
+  if (sig == SIGKILL) {
+    EXPECT_NE(agents[1]->output().find("serving the rendezvous of run"), std::string::npos) << agents[1]->output();
+    EXPECT_NE(agents[1]->output().find("forms no round"), std::string::npos) << agents[1]->output();
+  }
   for (const int pid : pids) {
     EXPECT_TRUE(processGone(pid, 5s)) << "worker " << pid << " survived";
     EXPECT_TRUE(fsdp::testing::processGroupMembers(pid).empty()) << "process group " << pid << " survived";

@@ -1,8 +1,5 @@
-// The elastic agent's state machine: rendezvous, rounds, the workers' lifecycle and stop
-// signals (class Agent), and runAgent, its entry point.
-#include "fsdp/launcher/agent.hpp"
-#include "fsdp/launcher/snapshot_keeper.hpp"
-
+// The elastic agent's rounds (agent_state.hpp): the workers' lifecycle in a round, stop
+// signals, restarts, and runAgent, its entry point. The rendezvous side is agent_rendezvous.cpp.
 #include <poll.h>
 #include <signal.h>
 #include <unistd.h>
@@ -17,342 +14,23 @@
 #include <variant>
 #include <vector>
 
-#include "agent_support.hpp"
-#include "fsdp/common/deadline.hpp"
+#include "agent_state.hpp"
 #include "fsdp/common/error.hpp"
 #include "fsdp/common/log.hpp"
 #include "fsdp/common/process.hpp"
-#include "fsdp/common/sha256.hpp"
 #include "fsdp/common/shm.hpp"
-#include "fsdp/rendezvous/rdzv_client.hpp"
-#include "fsdp/rendezvous/store_proxy.hpp"
-#include "fsdp/rendezvous/store_server.hpp"
-#include "../hang/agent_hooks.hpp"
-#include "../workers/guardian.hpp"
-#include "../workers/worker_group.hpp"
 
 namespace fsdp::launcher {
+namespace detail {
 namespace {
 
 // How long after a round's workers start its standbys do (--standby).
 constexpr std::chrono::seconds kStandbyDelay{3};
 
+}  // namespace
+
 using namespace std::chrono_literals;
-using detail::readToken;
-using detail::ScratchDir;
-using detail::SignalFd;
-using detail::utcNow;
-using detail::writeToken;
-using rendezvous::Assignment;
 using rendezvous::EventKind;
-using Clock = Deadline::Clock;
-
-// How a round ended for this node, once its workers are all gone.
-struct Verdict {
-  enum Kind { kRestart, kFinished, kFailed, kClosed } kind = kClosed;
-  std::string reason;
-  std::string failure;  // JSON, for kFailed (and kRestart after a failure)
-};
-
-// A stop signal arrived before any worker ran.
-struct StopRequested {
-  int sig;
-};
-
-class Agent {
- public:
-  Agent(const LaunchOptions& options, std::vector<std::string> command)
-      : options_(options),
-        command_(std::move(command)),
-        plan_(planRendezvous(options)),
-        signals_(options.signalsToHandle),
-        base_(currentEnvironment()) {}
-
-  AgentResult run();
-
- private:
-  void startRendezvous();
-  void connect();
-  rendezvous::JoinRequest joinRequest() const;
-  // Joins the next round; an assignment, or the job's end for this node.
-  std::variant<Assignment, AgentResult> joinRound();
-  std::optional<AgentResult> runRound(const Assignment& a);
-  // Starts the spares of this node's workers for the restart after round `a` (--standby).
-  void startStandby(const Assignment& a, const std::string& runDir, const detail::OutputOptions& output);
-  std::vector<detail::WorkerSpec> workerSpecs(const Assignment& a, const std::string& attemptDir);
-  // Polls the signalfd, the rendezvous connection and `extra` until something is ready or
-  // `until`; heartbeats on the way.
-  void waitForActivity(std::vector<pollfd>& fds, Clock::time_point until);
-  std::optional<rendezvous::RendezvousEvent> takeEvent();
-  AgentResult ended(int exitCode, std::string message, const std::string& failureJson = "");
-  std::string endpointName() const {
-    return plan_.embedded ? "the embedded server" : plan_.endpoint.str();
-  }
-
-  const LaunchOptions& options_;
-  const std::vector<std::string> command_;
-  const RendezvousPlan plan_;
-  SignalFd signals_;  // before any thread starts, so that every thread inherits the mask
-  detail::Guardian guardian_;  // forked before any thread starts too
-  const std::vector<std::string> base_;
-  ScratchDir scratch_;
-  std::string token_;
-  std::string tokenFile_;
-  std::unique_ptr<rendezvous::StoreServer> server_;
-  std::unique_ptr<rendezvous::RendezvousClient> client_;
-  std::string storeHost_;
-  int storePort_ = 0;
-  // When set, this node's workers reach the store through it (on loopback), not directly.
-  std::unique_ptr<rendezvous::StoreProxy> proxy_;
-  // Holds this node's in-memory snapshots across worker restarts (with --max_restarts > 0).
-  std::unique_ptr<SnapshotKeeper> keeper_;
-  void startSnapshotKeeper();
-  // --standby: the workers of the next restart, waiting in fsdp::init() (after guardian_, so
-  // that they are stopped before it goes).
-  std::unique_ptr<detail::WorkerGroup> standby_;
-  std::string address_;  // this node's address for the others
-  std::string node_;
-  int masterPort_ = 0;   // the MASTER_PORT this node offers, should it be node 0
-  int restarts_ = 0;
-  detail::StallCounter stalls_{options_.maxStalledRestarts};  // --max_stalled_restarts
-  Clock::time_point nextHeartbeat_ = Clock::now();
-  std::optional<std::string> lost_;  // the rendezvous connection failed: why
-};
-
-AgentResult Agent::ended(int exitCode, std::string message, const std::string& failureJson) {
-  standby_.reset();
-  AgentResult result{.exitCode = exitCode, .message = std::move(message), .restarts = restarts_};
-  if (!failureJson.empty()) {
-    try {
-      result.failure = Failure::fromJson(failureJson);
-    } catch (const ProtocolError& e) {
-      log::warn("unreadable failure report from the rendezvous: {}", e.what());
-    }
-  }
-  return result;
-}
-
-void Agent::startRendezvous() {
-  const auto& conf = options_.rdzvConf;
-  const bool allowPytorch = conf.allowPytorchClients.value_or(false);
-  if (plan_.embedded) {
-    token_ = toHex(randomBytes(32));
-    tokenFile_ = writeToken(scratch_.path(), token_);
-    server_ = std::make_unique<rendezvous::StoreServer>(
-        rendezvous::ServerOptions{.host = "127.0.0.1",
-                                  .port = 0,
-                                  .token = token_,
-                                  .allowPytorchClients = allowPytorch,
-                                  .pytorchRunId = options_.rdzvId});
-    storeHost_ = "127.0.0.1";
-    storePort_ = server_->port();
-    connect();
-    startSnapshotKeeper();
-    return;
-  }
-  tokenFile_ = conf.tokenFile;
-  if (tokenFile_.empty()) {
-    if (const char* env = std::getenv("FSDPRUN_TOKEN_FILE")) tokenFile_ = env;
-  }
-  if (!tokenFile_.empty()) {
-    tokenFile_ = std::filesystem::absolute(tokenFile_).string();
-    token_ = readToken(tokenFile_, conf.tokenFile.empty() ? "FSDPRUN_TOKEN_FILE" : "--rdzv_conf token_file");
-  }
-  storeHost_ = plan_.endpoint.host;
-  storePort_ = plan_.endpoint.port;
-  if (plan_.mayHost) {
-    const rendezvous::ServerOptions serverOptions{
-        .host = plan_.bindHost,
-        .port = static_cast<std::uint16_t>(plan_.endpoint.port),
-        .token = token_,
-        .allowPytorchClients = conf.allowPytorchClients,
-        .pytorchRunId = options_.rdzvId};
-    try {
-      server_ = std::make_unique<rendezvous::StoreServer>(serverOptions);
-    } catch (const NetworkError& e) {
-      if (plan_.bindHost == "::") {  // no IPv6 here: the IPv4 wildcard then
-        auto v4 = serverOptions;
-        v4.host = "0.0.0.0";
-        try {
-          server_ = std::make_unique<rendezvous::StoreServer>(v4);
-        } catch (const NetworkError&) {
-        }
-      }
-      if (!server_) {
-        const auto holder = portHolder(plan_.endpoint.port);
-        if (plan_.mustHost) {
-          throw ConfigError("--rdzv_endpoint " + plan_.endpoint.str() +
-                            ": cannot serve the rendezvous here (is_host=true): " + e.what() +
-                            (holder ? " (held by " + *holder + ")" : ""));
-        }
-        log::info("rendezvous port {} is taken{}: joining the server there", plan_.endpoint.port,
-                  holder ? " by " + *holder : "");
-      }
-    }
-    if (server_) log::info("serving the rendezvous of run '{}' on {}", options_.rdzvId, plan_.endpoint.str());
-  }
-  connect();
-  startSnapshotKeeper();
-  if (!server_ && conf.storeProxy) {
-    try {
-      proxy_ = std::make_unique<rendezvous::StoreProxy>(
-          rendezvous::ProxyOptions{.serverHost = storeHost_,
-                                   .serverPort = static_cast<std::uint16_t>(storePort_),
-                                   .runId = options_.rdzvId,
-                                   .token = token_,
-                                   .connectTimeout = std::chrono::seconds(10)});
-      log::info("workers reach the store through this node's proxy on 127.0.0.1:{}", proxy_->port());
-    } catch (const Error& e) {
-      // e.g. a server older than MUX: the workers connect to it themselves, as before.
-      log::warn("no store proxy on this node ({}): workers connect to {} directly", e.what(),
-                endpointName());
-    }
-  }
-}
-
-void Agent::startSnapshotKeeper() {
-  if (options_.maxRestarts == 0 || options_.snapshotMemoryLimit == 0) return;
-  try {
-    keeper_ = std::make_unique<SnapshotKeeper>(KeeperOptions{.runId = options_.rdzvId,
-                                                             .memoryLimit = options_.snapshotMemoryLimit,
-                                                             .listenAddress = address_,
-                                                             .token = token_});
-    log::debug("snapshot keeper on @{} and {}", keeper_->socketName(), keeper_->peerEndpoint());
-  } catch (const Error& e) {
-    log::warn("no in-memory snapshots on this node ({}): restarts resume from disk checkpoints", e.what());
-  }
-}
-
-void Agent::connect() {
-  const auto start = Clock::now();
-  const Deadline deadline = Deadline::after(options_.rdzvConf.joinTimeout);
-  std::string lastError;
-  // A service that accepted a connection and never answered the handshake says more than a
-  // later attempt that ran out of time while connecting (on a loaded machine the last attempt
-  // may get only the deadline's last milliseconds): kept and named in the final error.
-  std::string handshakeError;
-  for (;;) {
-    // Short attempts, so that a stop signal is honoured while the endpoint is not up yet.
-    try {
-      client_ = rendezvous::RendezvousClient::connect(
-          storeHost_, static_cast<std::uint16_t>(storePort_),
-          {.connectTimeout = std::min<std::chrono::milliseconds>(2000ms, deadline.remaining()),
-           .runId = options_.rdzvId,
-           .token = token_});
-      break;
-    } catch (const rendezvous::HandshakeTimeout& e) {
-      lastError = handshakeError = e.what();
-    } catch (const TimeoutError& e) {
-      lastError = e.what();
-    } catch (const NetworkError& e) {
-      lastError = e.what();
-    } catch (const ProtocolError& e) {
-      const auto holder = portHolder(storePort_);
-      throw ConfigError("--rdzv_endpoint " + endpointName() +
-                        ": something answers there but it is not an fsdprun rendezvous server" +
-                        (holder ? " (" + *holder + ")" : "") + ": " + e.what());
-    }
-    for (int sig : signals_.take()) {
-      if (isStopSignal(sig)) throw StopRequested{sig};
-    }
-    if (deadline.expired()) {
-      const auto holder = plan_.embedded ? std::nullopt : portHolder(storePort_);
-      throw ConfigError("--rdzv_endpoint " + endpointName() + ": unreachable after " +
-                        std::to_string(elapsedMs(start)) + " ms (join_timeout " +
-                        std::to_string(options_.rdzvConf.joinTimeout.count() / 1000.0).substr(0, 6) +
-                        " s; " + (handshakeError.empty() ? "last error: " + lastError : handshakeError) + ")" +
-                        (holder ? "; the port is held by " + *holder : ""));
-    }
-  }
-  address_ = !options_.localAddr.empty() ? options_.localAddr
-             : plan_.embedded            ? std::string("127.0.0.1")
-                                         : client_->localAddress();
-  node_ = plan_.embedded ? hostName() : (options_.localAddr.empty() ? hostName() : options_.localAddr);
-  if (options_.masterPort && (plan_.embedded || options_.rdzvBackend == "c10d")) {
-    masterPort_ = *options_.masterPort;
-  } else {
-    masterPort_ = freePort(isAddressLiteral(address_) ? address_ : "0.0.0.0");
-  }
-}
-
-rendezvous::JoinRequest Agent::joinRequest() const {
-  rendezvous::JoinRequest join;
-  join.node = node_;
-  join.address = address_;
-  join.localWorldSize = options_.nprocPerNode;
-  join.preferredRank = plan_.preferredRank;
-  join.masterPort = masterPort_;
-  join.minNodes = plan_.embedded ? 1 : options_.minNodes;
-  join.maxNodes = plan_.embedded ? 1 : options_.maxNodes;
-  join.maxRestarts = options_.maxRestarts;
-  join.lastCallTimeout = options_.rdzvConf.lastCallTimeout;
-  join.joinTimeout = options_.rdzvConf.joinTimeout;
-  join.heartbeatTimeout = options_.rdzvConf.heartbeatTimeout;
-  return join;
-}
-
-void Agent::waitForActivity(std::vector<pollfd>& fds, Clock::time_point until) {
-  fds.insert(fds.begin(), {pollfd{signals_.fd(), POLLIN, 0}, pollfd{client_->fd(), POLLIN, 0}});
-  for (;;) {
-    const auto now = Clock::now();
-    if (now >= nextHeartbeat_ && !lost_) {
-      try {
-        client_->heartbeat();
-      } catch (const Error& e) {
-        lost_ = e.what();
-      }
-      nextHeartbeat_ = now + options_.rdzvConf.heartbeatInterval;
-    }
-    if (client_->hasBufferedEvent()) return;
-    const auto wake = std::min(until, nextHeartbeat_);
-    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(wake - now).count();
-    if (lost_) fds[1].events = 0;  // a broken connection stays readable
-    const int r = ::poll(fds.data(), fds.size(), static_cast<int>(std::clamp<long long>(ms, 0, 1 << 30)));
-    if (r < 0 && errno != EINTR) throwErrno("poll", errno);
-    if (r > 0 || Clock::now() >= until) return;
-  }
-}
-
-std::optional<rendezvous::RendezvousEvent> Agent::takeEvent() {
-  if (lost_) return std::nullopt;
-  try {
-    return client_->nextEvent(0ms);
-  } catch (const Error& e) {
-    lost_ = e.what();
-    return std::nullopt;
-  }
-}
-
-std::variant<Assignment, AgentResult> Agent::joinRound() {
-  try {
-    client_->sendJoin(joinRequest());
-  } catch (const Error& e) {
-    lost_ = e.what();
-  }
-  for (;;) {
-    if (lost_) return ended(1, "lost the rendezvous server " + endpointName() + ": " + *lost_);
-    std::vector<pollfd> fds;
-    waitForActivity(fds, Clock::time_point::max());
-    for (int sig : signals_.take()) {
-      if (isStopSignal(sig)) {
-        return ended(128 + sig, "received " + signalName(sig) + " while waiting for the rendezvous");
-      }
-    }
-    while (auto event = takeEvent()) {
-      switch (event->kind) {
-        case EventKind::kAssigned: return event->assignment;
-        case EventKind::kRunFinished: return ended(0, event->reason);
-        case EventKind::kRunFailed: return ended(1, event->reason, event->failure);
-        case EventKind::kRunClosed: return ended(1, "the run was closed: " + event->reason);
-        case EventKind::kJoinFailed:
-        case EventKind::kDisconnect:
-          return ended(1, "rendezvous at " + endpointName() + " refused node " + node_ + ": " +
-                              event->reason);
-        case EventKind::kRoundEnded: break;  // news of a round this node has already left
-      }
-    }
-  }
-}
 
 void Agent::startStandby(const Assignment& a, const std::string& runDir, const detail::OutputOptions& output) {
   // As the restart after this round would be if the group restarts as it is: the same ranks,
@@ -406,6 +84,8 @@ std::vector<detail::WorkerSpec> Agent::workerSpecs(const Assignment& a, const st
 
 std::optional<AgentResult> Agent::runRound(const Assignment& a) {
   restarts_ = a.restartCount;
+  last_ = a;
+  successors_ = a.successors;
   const std::string runDir = options_.logDir.empty()
                                  ? scratch_.path() + "/" + options_.rdzvId
                                  : options_.logDir + "/" + options_.rdzvId;
@@ -542,12 +222,12 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
         case EventKind::kDisconnect:
           verdict = Verdict{Verdict::kClosed, "the run was closed: " + event->reason, ""};
           break;
-        case EventKind::kAssigned: break;  // cannot happen while a member
+        case EventKind::kAssigned:
+        case EventKind::kSpare: break;  // cannot happen while a member
       }
     }
     if (!verdict && lost_) {
-      verdict = Verdict{Verdict::kClosed,
-                        "lost the rendezvous server " + endpointName() + ": " + *lost_, ""};
+      verdict = Verdict{Verdict::kServerLost, "lost the rendezvous server " + endpointName() + ": " + *lost_, ""};
     }
     if (verdict && state == State::kRunning) stopGroup(SIGTERM);
 
@@ -580,6 +260,10 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
       case Verdict::kFinished: return ended(0, verdict->reason);
       case Verdict::kFailed: return ended(1, verdict->reason, verdict->failure);
       case Verdict::kClosed: return ended(1, verdict->reason);
+      case Verdict::kServerLost:
+        // joinRound moves the run to a successor, or ends it when none answers.
+        log::warn("{}: this node's workers are stopped", verdict->reason);
+        return std::nullopt;
     }
   }
 }
@@ -591,6 +275,14 @@ AgentResult Agent::run() {
     return ended(128 + stop.sig, "received " + signalName(stop.sig) +
                                      " while connecting to the rendezvous at " + endpointName());
   }
+  try {
+    return rounds();
+  } catch (const StopRequested& stop) {  // while moving to a successor
+    return ended(128 + stop.sig, "received " + signalName(stop.sig) + " while moving the rendezvous");
+  }
+}
+
+AgentResult Agent::rounds() {
   for (;;) {
     auto joined = joinRound();
     if (auto* result = std::get_if<AgentResult>(&joined)) return std::move(*result);
@@ -604,7 +296,7 @@ AgentResult Agent::run() {
   }
 }
 
-}  // namespace
+}  // namespace detail
 
 AgentResult runAgent(const LaunchOptions& options, const std::vector<std::string>& command) {
   // A busy port the user asked for is named now, not after the workers failed on it.
@@ -617,7 +309,7 @@ AgentResult runAgent(const LaunchOptions& options, const std::vector<std::string
                       std::to_string(freePort()) + " is free now)");
   }
   ::signal(SIGPIPE, SIG_IGN);  // a console that went away must not kill the agent
-  Agent agent(options, command);
+  detail::Agent agent(options, command);
   return agent.run();
 }
 

@@ -185,12 +185,122 @@ TEST(Rounds, AJoinerAtMaxWaitsOnStandby) {
   const auto t = Clock::now();
   s.join(1, req("a", 1, 1), t);
   ASSERT_TRUE(s.running());
-  EXPECT_TRUE(s.join(2, req("b", 1, 1), t).empty());
+  const auto spare = s.join(2, req("b", 1, 1), t);
+  ASSERT_EQ(spare.size(), 1u);
+  EXPECT_EQ(spare[0].kind, EventKind::kSpare);
+  EXPECT_NE(spare[0].reason.find("node b waits as a spare"), std::string::npos) << spare[0].reason;
+  // A spare waits past its join timeout while the round runs.
+  s.heartbeat(1, t + 59s);
+  EXPECT_TRUE(s.tick(t + 60s).empty());
   // When the member leaves, the standby node forms the next round.
-  const auto events = s.leave(1, "connection closed", t + 1s);
+  const auto events = s.leave(1, "connection closed", t + 61s);
   const auto a = assigned(events);
   ASSERT_EQ(a.size(), 1u);
   EXPECT_EQ(a.begin()->first, 2u);
+}
+
+// The request of an agent that was node `rank` of round `round` (restart count `restarts`).
+JoinRequest back(JoinRequest r, int round, int rank, int restarts = 0) {
+  r.lastRound = round;
+  r.lastRank = rank;
+  r.restarts = restarts;
+  return r;
+}
+
+// Survivors keep their node ranks; a spare takes the lost node's; the others are not renumbered.
+TEST(Rounds, ASpareTakesTheNodeRankOfTheLostNodeAndSurvivorsKeepTheirs) {
+  RoundState s;
+  const auto t = Clock::now();
+  for (AgentId id = 1; id <= 4; ++id) s.join(id, req(std::string(1, static_cast<char>('a' + id - 1)), 4, 4, 2), t);
+  ASSERT_TRUE(s.running());
+  ASSERT_EQ(count(s.join(9, req("z-spare", 4, 4, 2), t), EventKind::kSpare), 1);
+  // b (node rank 1) is lost; the survivors come back with what they were.
+  s.leave(2, "connection closed", t + 1s);
+  s.join(1, back(req("a", 4, 4, 2), 0, 0), t + 1s);
+  s.join(3, back(req("c", 4, 4, 2), 0, 2), t + 1s);
+  const auto a = assigned(s.join(4, back(req("d", 4, 4, 2), 0, 3), t + 1s));
+  ASSERT_EQ(a.size(), 4u);
+  EXPECT_EQ(a.at(1).nodeRank, 0);
+  EXPECT_EQ(a.at(9).nodeRank, 1);
+  EXPECT_EQ(a.at(9).rankOffset, 2);
+  EXPECT_EQ(a.at(3).nodeRank, 2);
+  EXPECT_EQ(a.at(4).nodeRank, 3);
+  EXPECT_EQ(a.at(4).worldSize, 8);
+}
+
+// Without a spare the survivors close ranks in their old order.
+TEST(Rounds, WithoutASpareTheSurvivorsCloseRanksInTheirOldOrder) {
+  RoundState s;
+  const auto t = Clock::now();
+  for (AgentId id = 1; id <= 3; ++id) s.join(id, req(std::string(1, static_cast<char>('a' + id - 1)), 2, 3), t);
+  s.leave(1, "connection closed", t + 1s);
+  s.join(2, back(req("b", 2, 3), 0, 1), t + 1s);
+  const auto a = assigned(s.join(3, back(req("c", 2, 3), 0, 2), t + 1s));
+  ASSERT_EQ(a.size(), 2u);
+  EXPECT_EQ(a.at(2).nodeRank, 0);
+  EXPECT_EQ(a.at(3).nodeRank, 1);
+  EXPECT_EQ(a.at(2).round, 1);
+}
+
+// A server started by a successor goes on with the run's round numbers and restart count, and
+// names the successors (never the agent that serves) in each assignment.
+TEST(Rounds, AServerThatTookOverGoesOnWithTheRunsNumbering) {
+  RoundState s;
+  const auto t = Clock::now();
+  auto b = back(req("b", 2, 3), 7, 1, 2);
+  b.servesRendezvous = true;
+  s.join(2, b, t);
+  const auto a = assigned(s.join(3, back(req("c", 2, 3), 7, 2, 2), t));
+  // Two of at most three: after the last call.
+  const auto later = a.empty() ? assigned(s.tick(t + 1s)) : a;
+  ASSERT_EQ(later.size(), 2u);
+  EXPECT_EQ(later.at(2).round, 8);
+  EXPECT_EQ(later.at(2).restartCount, 2);
+  EXPECT_EQ(later.at(2).nodeRank, 0);
+  ASSERT_EQ(later.at(2).successors.size(), 1u);
+  EXPECT_EQ(later.at(2).successors[0].node, "c");
+  EXPECT_EQ(later.at(2).successors[0].address, "c.addr");
+  // The wire keeps them.
+  const auto decoded = decodeAssignment(encodeAssignment(later.at(3)));
+  ASSERT_EQ(decoded.successors.size(), 1u);
+  EXPECT_EQ(decoded.successors[0].address, "c.addr");
+  const auto join = decodeJoin(encodeJoin(b));
+  EXPECT_EQ(join.lastRound, 7);
+  EXPECT_EQ(join.lastRank, 1);
+  EXPECT_EQ(join.restarts, 2);
+  EXPECT_TRUE(join.servesRendezvous);
+}
+
+// A node whose program differs from the run's is refused, with both command lines.
+TEST(Rounds, ANodeRunningAnotherProgramIsRefusedNamingBoth) {
+  RoundState s;
+  const auto t = Clock::now();
+  auto a = req("a", 1, 1);
+  a.program = "./train --lr 0.1";
+  s.join(1, a, t);
+  auto b = req("b", 1, 1);
+  b.program = "./train --lr 0.2";
+  const auto events = s.join(2, b, t);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].kind, EventKind::kJoinFailed);
+  EXPECT_EQ(events[0].reason, "node b runs './train --lr 0.2' but the run runs './train --lr 0.1': refused");
+}
+
+// A side of a partition below the minimum forms no round and says why.
+TEST(Rounds, ASideBelowTheMinimumAfterARoundTimesOutNamingAPartition) {
+  RoundState s;
+  const auto t = Clock::now();
+  s.join(1, req("a", 2, 3), t);
+  s.join(2, req("b", 2, 3), t);
+  s.tick(t + 1s);  // last call: the round of two forms
+  ASSERT_TRUE(s.running());
+  s.leave(2, "no heartbeat", t + 2s);
+  s.join(1, back(req("a", 2, 3), 0, 0), t + 2s);
+  const auto events = s.tick(t + 13s);
+  ASSERT_EQ(count(events, EventKind::kJoinFailed), 1);
+  const auto it = std::find_if(events.begin(), events.end(), [](const Event& e) { return e.kind == EventKind::kJoinFailed; });
+  EXPECT_NE(it->reason.find("1 of 2 nodes needed have joined since round 0 ended"), std::string::npos) << it->reason;
+  EXPECT_NE(it->reason.find("network partition"), std::string::npos) << it->reason;
 }
 
 TEST(Rounds, ALeavingMemberEndsTheRoundForEveryoneWithTheReason) {

@@ -6,10 +6,22 @@
 //
 // A round completes at max_nodes at once, or at min_nodes after the last-call wait; a round
 // after a restart completes as soon as every member of the previous round that is still
-// connected is back. Node ranks are deterministic: agents with a preferred rank first (by
-// that rank), then by node name. A member that leaves (connection closed, heartbeats
-// missed), asks to restart, or a new node waiting while a round runs (and the round is below
-// max_nodes) ends the round for everyone at once.
+// connected is back. Node ranks are deterministic: in a run's first round, agents with a
+// preferred rank first (by that rank), then by node name. Later rounds keep every returning
+// member's node rank (its ranks, and the snapshots its node holds, stay put): a newcomer takes
+// the rank of a lost node; when fewer nodes come back, the members close ranks in their old
+// order. A member that leaves (connection closed, heartbeats missed), asks to restart, or a new
+// node waiting while a round runs (and the round is below max_nodes) ends the round for
+// everyone at once.
+//
+// Spares: a node that joins while a round runs at max_nodes waits (told so by a SPARE event
+// that also names the successors) with no join timeout; it becomes a member in the next round
+// that has room, normally in place of a lost node.
+//
+// Failover: a join carries the last round, node rank and restart count its agent saw, so a
+// server started by a successor (the first reachable member of `successors` in the last
+// assignment) goes on with the run's numbering and restart count. A join whose program differs
+// from the run's is refused.
 //
 // Restarts: a round ended by a worker failure (endRound with a failure) counts against the
 // run's max_restarts; membership changes do not. The count is the server's, so every node
@@ -41,6 +53,18 @@ struct JoinRequest {
   std::chrono::milliseconds lastCallTimeout{1000};
   std::chrono::milliseconds joinTimeout{600000};
   std::chrono::milliseconds heartbeatTimeout{15000};
+  // What the agent saw of the run so far (a server that took over goes on from there).
+  int lastRound = -1;         // the last round it was a member of; -1 = none
+  int lastRank = -1;          // its node rank in that round
+  int restarts = 0;           // the run's restart count in that round
+  std::string program;        // the command its workers run; "" = not checked
+  bool servesRendezvous = false;  // this agent hosts the server: never its own successor
+};
+
+// A member that may serve the rendezvous when its host is lost.
+struct Successor {
+  std::string node;
+  std::string address;
 };
 
 struct Assignment {
@@ -53,7 +77,12 @@ struct Assignment {
   int masterPort = 0;
   int restartCount = 0;       // rounds ended by a worker failure so far
   bool pytorchStore = false;  // PyTorch's TCPStore clients may use the server for this run
+  // The members that take over serving, in this order, should the server be lost: by node
+  // rank, without the agent that serves it; at most kMaxSuccessors.
+  std::vector<Successor> successors;
 };
+
+inline constexpr std::size_t kMaxSuccessors = 8;
 
 enum class EventKind : std::uint8_t {
   kAssigned = 1,    // the answer to a join
@@ -63,6 +92,7 @@ enum class EventKind : std::uint8_t {
   kDisconnect = 5,  // the server should close this agent's connection (missed heartbeats)
   kRunFinished = 6, // every member's workers succeeded; final
   kRunFailed = 7,   // a failure with no restart left; final
+  kSpare = 8,       // the run is at max_nodes: this agent waits as a spare (successors set)
 };
 
 struct Event {
@@ -122,7 +152,9 @@ class RoundState {
     Clock::time_point lastSeen;
     bool succeeded = false;
   };
-  std::vector<Event> endRunningRound(const std::string& reason, const std::string& failure = "");
+  std::vector<Event> endRunningRound(Clock::time_point now, const std::string& reason,
+                                     const std::string& failure = "");
+  std::vector<Successor> successorsOf(const std::vector<std::pair<AgentId, const JoinRequest*>>& ranked) const;
   std::vector<Event> finish(EventKind kind, const std::string& reason, const std::string& failure);
   std::vector<Event> tryComplete(Clock::time_point now, bool lastCallExpired);
   void armLastCall(Clock::time_point now);
@@ -130,6 +162,9 @@ class RoundState {
   std::map<AgentId, Waiter> waiting_;
   std::map<AgentId, Member> members_;
   std::optional<Clock::time_point> lastCallAt_;
+  // When the last round ended: waiters' join timeouts count from then (spares wait untimed).
+  Clock::time_point idleSince_{};
+  std::vector<Successor> successors_;  // of the running round
   int round_ = -1;  // number of the last completed round
   int failures_ = 0;  // rounds ended by a worker failure
   // Members of the round that ended last and are still connected: once all of them are

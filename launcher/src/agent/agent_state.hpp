@@ -1,0 +1,125 @@
+#pragma once
+// The elastic agent's state (class Agent), private to the launcher: agent.cpp runs its rounds
+// and workers; agent_rendezvous.cpp connects it to the rendezvous, joins rounds and moves the
+// run to a successor when the server is lost.
+//
+// Thread-safety: none; one thread runs an Agent.
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "agent_support.hpp"
+#include "fsdp/common/deadline.hpp"
+#include "fsdp/launcher/agent.hpp"
+#include "fsdp/launcher/snapshot_keeper.hpp"
+#include "fsdp/rendezvous/rdzv_client.hpp"
+#include "fsdp/rendezvous/store_proxy.hpp"
+#include "fsdp/rendezvous/store_server.hpp"
+#include "../hang/agent_hooks.hpp"
+#include "../workers/guardian.hpp"
+#include "../workers/worker_group.hpp"
+
+struct pollfd;
+
+namespace fsdp::launcher::detail {
+
+using rendezvous::Assignment;
+using Clock = Deadline::Clock;
+
+// How a round ended for this node, once its workers are all gone.
+struct Verdict {
+  // kServerLost: the rendezvous connection failed; the run moves to a successor, if any.
+  enum Kind { kRestart, kFinished, kFailed, kClosed, kServerLost } kind = kClosed;
+  std::string reason;
+  std::string failure;  // JSON, for kFailed (and kRestart after a failure)
+};
+
+// A stop signal arrived before any worker ran.
+struct StopRequested {
+  int sig;
+};
+
+class Agent {
+ public:
+  Agent(const LaunchOptions& options, std::vector<std::string> command)
+      : options_(options),
+        command_(std::move(command)),
+        plan_(planRendezvous(options)),
+        signals_(options.signalsToHandle),
+        base_(currentEnvironment()) {
+    for (const auto& arg : command_) program_ += (program_.empty() ? "" : " ") + arg;
+  }
+
+  AgentResult run();
+
+ private:
+  AgentResult rounds();
+  void startRendezvous();
+  // Connects to storeHost_:storePort_ (retrying until `deadline`); throws ConfigError naming the
+  // endpoint when it cannot, StopRequested on a stop signal.
+  void connect(const Deadline& deadline);
+  // One connection attempt loop to storeHost_:storePort_ until `deadline`: true when connected.
+  // Throws StopRequested, and ConfigError when something else answers there.
+  bool tryConnect(const Deadline& deadline, std::string& error);
+  // After the server was lost (lost_): the first of the last round's successors that serves
+  // takes over; this agent starts serving when it is that successor. True when connected to a
+  // server again (lost_ cleared), false when no successor answered.
+  bool failover();
+  // The workers' way to the store after (re)connecting: this node's proxy, unless it serves.
+  void startProxy();
+  rendezvous::JoinRequest joinRequest() const;
+  // Joins the next round; an assignment, or the job's end for this node.
+  std::variant<Assignment, AgentResult> joinRound();
+  std::optional<AgentResult> runRound(const Assignment& a);
+  // Starts the spares of this node's workers for the restart after round `a` (--standby).
+  void startStandby(const Assignment& a, const std::string& runDir, const detail::OutputOptions& output);
+  std::vector<detail::WorkerSpec> workerSpecs(const Assignment& a, const std::string& attemptDir);
+  // Polls the signalfd, the rendezvous connection and `extra` until something is ready or
+  // `until`; heartbeats on the way.
+  void waitForActivity(std::vector<pollfd>& fds, Clock::time_point until);
+  std::optional<rendezvous::RendezvousEvent> takeEvent();
+  AgentResult ended(int exitCode, std::string message, const std::string& failureJson = "");
+  std::string endpointName() const {
+    if (plan_.embedded) return "the embedded server";
+    if (storeHost_ == plan_.endpoint.host && storePort_ == plan_.endpoint.port) return plan_.endpoint.str();
+    return storeHost_ + ":" + std::to_string(storePort_);
+  }
+
+  const LaunchOptions& options_;
+  const std::vector<std::string> command_;
+  const RendezvousPlan plan_;
+  SignalFd signals_;  // before any thread starts, so that every thread inherits the mask
+  detail::Guardian guardian_;  // forked before any thread starts too
+  const std::vector<std::string> base_;
+  ScratchDir scratch_;
+  std::string token_;
+  std::string tokenFile_;
+  std::unique_ptr<rendezvous::StoreServer> server_;
+  std::unique_ptr<rendezvous::RendezvousClient> client_;
+  std::string storeHost_;
+  int storePort_ = 0;
+  // When set, this node's workers reach the store through it (on loopback), not directly.
+  std::unique_ptr<rendezvous::StoreProxy> proxy_;
+  // Holds this node's in-memory snapshots across worker restarts (with --max_restarts > 0).
+  std::unique_ptr<SnapshotKeeper> keeper_;
+  void startSnapshotKeeper();
+  // --standby: the workers of the next restart, waiting in fsdp::init() (after guardian_, so
+  // that they are stopped before it goes).
+  std::unique_ptr<detail::WorkerGroup> standby_;
+  std::string address_;  // this node's address for the others
+  std::string node_;
+  int masterPort_ = 0;   // the MASTER_PORT this node offers, should it be node 0
+  int restarts_ = 0;
+  detail::StallCounter stalls_{options_.maxStalledRestarts};  // --max_stalled_restarts
+  Clock::time_point nextHeartbeat_ = Clock::now();
+  std::optional<std::string> lost_;  // the rendezvous connection failed: why
+  std::optional<Assignment> last_;   // the last round this node was a member of
+  std::vector<rendezvous::Successor> successors_;  // who serves should the server be lost
+  std::string program_;  // the workers' command, as the server compares it between nodes
+};
+
+}  // namespace fsdp::launcher::detail
