@@ -202,6 +202,34 @@ std::string peerMac(const std::string& token, const std::string& runId, int rank
   return toHex(std::string_view(reinterpret_cast<const char*>(mac.data()), mac.size()));
 }
 
+std::string getMac(const std::string& token, const std::string& runId, int rank, int world, std::int64_t step) {
+  const std::string message = "fsdprun-snapshot-get|" + runId + "|" + std::to_string(rank) + "|" +
+                              std::to_string(world) + "|" + std::to_string(step);
+  const auto mac = hmacSha256(token, message);
+  return toHex(std::string_view(reinterpret_cast<const char*>(mac.data()), mac.size()));
+}
+
+void writeFrame(int fd, std::string_view text) {
+  // One send: a length sent alone would wait for the peer's delayed ACK (Nagle).
+  const auto length = static_cast<std::uint32_t>(text.size());
+  std::string frame(sizeof(length) + text.size(), '\0');
+  std::memcpy(frame.data(), &length, sizeof(length));
+  std::memcpy(frame.data() + sizeof(length), text.data(), text.size());
+  writeAll(fd, frame.data(), frame.size());
+}
+
+std::optional<std::string> readFrame(int fd, const std::string& where) {
+  std::uint32_t length = 0;
+  if (!readAll(fd, &length, sizeof(length))) return std::nullopt;
+  if (length > kMaxFrame) {
+    throw ProtocolError(where + " sent a frame of " + std::to_string(length) + " bytes (at most " +
+                        std::to_string(kMaxFrame) + ")");
+  }
+  std::string text(length, '\0');
+  if (!readAll(fd, text.data(), text.size())) return std::nullopt;
+  return text;
+}
+
 bool readAll(int fd, void* data, std::size_t n) {
   auto* p = static_cast<char*>(data);
   while (n > 0) {

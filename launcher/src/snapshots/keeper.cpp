@@ -1,14 +1,17 @@
 // The agent's snapshot keeper (see snapshot_keeper.hpp): a poll thread serves this node's
-// workers on the Unix socket and accepts peer streams; each peer stream is read on its own
-// thread (a piece is megabytes; the workers' small requests must not wait behind it).
+// workers on the Unix socket and accepts TCP streams; each TCP stream (a peer pushing pieces, or
+// a restoring worker of another node fetching one) is served on its own thread (a piece is
+// megabytes; the workers' small requests must not wait behind it).
 #include "fsdp/launcher/snapshot_keeper.hpp"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <fcntl.h>
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
+#include <sys/sendfile.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -224,29 +227,78 @@ struct SnapshotKeeper::Impl {
     }
     if (op == "get") {
       std::scoped_lock lock(mutex);
+      const Piece* found = nullptr;  // its own piece rather than a peer copy of it
       for (const auto& p : pieces) {
         if (p.rank == request.value("rank", -1) && p.world == request.value("world", -1) &&
-            p.step == request.value("step", std::int64_t{-1})) {
-          snapshot::sendMessage(sock, json{{"ok", true}, {"peer", p.peer}}.dump(), p.fd.get());
-          return "";
+            p.step == request.value("step", std::int64_t{-1}) && (found == nullptr || !p.peer)) {
+          found = &p;
         }
       }
-      return json{{"ok", false}, {"error", "no such piece"}}.dump();
+      if (found == nullptr) return json{{"ok", false}, {"error", "no such piece"}}.dump();
+      snapshot::sendMessage(sock, json{{"ok", true}, {"peer", found->peer}}.dump(), found->fd.get());
+      return "";
     }
     return json{{"ok", false}, {"error", "unknown op '" + op + "'"}}.dump();
   }
 
   // ---- peer streams ----------------------------------------------------------------------
 
-  void reply(int fd, const json& answer) {
-    const std::string text = answer.dump();
-    const auto n = static_cast<std::uint32_t>(text.size());
-    snapshot::writeAll(fd, &n, sizeof(n));
-    snapshot::writeAll(fd, text.data(), text.size());
+  void reply(int fd, const json& answer) { snapshot::writeFrame(fd, answer.dump()); }
+
+  // A remote get: the piece's bytes straight from its memfd. A request that is not from this
+  // job (run id, MAC) throws and so closes the stream; a piece not held is an answer.
+  void serveGet(int fd, const json& header, const std::string& peerName) {
+    const int rank = header.at("rank").get<int>();
+    const int world = header.at("world").get<int>();
+    const auto step = header.at("step").get<std::int64_t>();
+    const std::string mac = header.at("mac").get<std::string>();
+    if (header.at("run").get<std::string>() != options.runId ||
+        !constantTimeEqual(mac, snapshot::getMac(options.token, options.runId, rank, world, step))) {
+      throw ProtocolError("a get from outside this job (run id or MAC)");
+    }
+    Fd piece;
+    std::uint64_t bytes = 0;
+    {
+      std::scoped_lock lock(mutex);
+      // The newest of them: a keeper may hold a rank's own piece and a peer copy of it.
+      for (const auto& p : pieces) {
+        if (p.rank == rank && p.world == world && p.step == step && (!piece || !p.peer)) {
+          // A descriptor of its own: the piece may be dropped while it is being sent.
+          piece = Fd(::fcntl(p.fd.get(), F_DUPFD_CLOEXEC, 0));
+          if (!piece) throwErrno("duplicating a snapshot descriptor", errno);
+          bytes = p.bytes;
+        }
+      }
+    }
+    if (!piece) {
+      reply(fd, {{"ok", false},
+                 {"error", "no snapshot of rank " + std::to_string(rank) + " (world " + std::to_string(world) +
+                               ") at step " + std::to_string(step) + " is held here"}});
+      return;
+    }
+    reply(fd, {{"ok", true}, {"bytes", bytes}});
+    off_t from = 0;
+    while (static_cast<std::uint64_t>(from) < bytes) {
+      const ssize_t n = ::sendfile(fd, piece.get(), &from, bytes - static_cast<std::uint64_t>(from));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        throwErrno("sending the snapshot of rank " + std::to_string(rank) + " at step " + std::to_string(step),
+                   errno);
+      }
+    }
+    log::debug("snapshot keeper: sent the snapshot of rank {} (world {}) at step {} to {}", rank, world, step,
+               peerName);
   }
 
   void readStream(int fd) {
-    const std::string peerName = "a peer snapshot stream";
+    std::string peerName = "the snapshot stream from ";
+    sockaddr_in from{};
+    socklen_t fromLength = sizeof(from);
+    char address[INET_ADDRSTRLEN] = "?";
+    if (::getpeername(fd, reinterpret_cast<sockaddr*>(&from), &fromLength) == 0) {
+      ::inet_ntop(AF_INET, &from.sin_addr, address, sizeof(address));
+      peerName += std::string(address) + ":" + std::to_string(ntohs(from.sin_port));
+    }
     try {
       for (;;) {
         // Between pieces a stream may idle as long as a training step takes; within one, the
@@ -254,12 +306,16 @@ struct SnapshotKeeper::Impl {
         pollfd ready{fd, POLLIN, 0};
         while (::poll(&ready, 1, -1) < 0 && errno == EINTR) {
         }
-        std::uint32_t length = 0;
-        if (!snapshot::readAll(fd, &length, sizeof(length))) return;
-        if (length > 65536) throw ProtocolError(peerName + " sent a header of " + std::to_string(length) + " bytes");
-        std::string text(length, '\0');
-        if (!snapshot::readAll(fd, text.data(), text.size())) return;
-        const json header = json::parse(text);
+        const auto text = snapshot::readFrame(fd, "it");
+        if (!text) return;
+        const json header = json::parse(*text);
+        // No "op": a put (the peer streams of workers that predate remote gets).
+        const std::string op = header.contains("op") ? header.at("op").get<std::string>() : "put";
+        if (op == "get") {
+          serveGet(fd, header, peerName);
+          continue;
+        }
+        if (op != "put") throw ProtocolError("unknown op '" + op + "'");
         const int rank = header.at("rank").get<int>();
         const int world = header.at("world").get<int>();
         const auto step = header.at("step").get<std::int64_t>();
@@ -267,7 +323,7 @@ struct SnapshotKeeper::Impl {
         const std::string mac = header.at("mac").get<std::string>();
         if (header.at("run").get<std::string>() != options.runId ||
             !constantTimeEqual(mac, snapshot::peerMac(options.token, options.runId, rank, world, step, bytes))) {
-          throw ProtocolError(peerName + " is not from this job (run id or MAC)");
+          throw ProtocolError("a put from outside this job (run id or MAC)");
         }
         if (bytes > options.memoryLimit || bytes < snapshot::kPrefixBytes) {
           // Read nothing more: the stream cannot be followed past a piece not taken.
@@ -316,6 +372,8 @@ struct SnapshotKeeper::Impl {
     timeval tv{.tv_sec = 60, .tv_usec = 0};
     ::setsockopt(c.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
     ::setsockopt(c.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+    const int one = 1;  // replies and a piece's last bytes go at once, not after a delayed ACK
+    ::setsockopt(c.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     auto& s = streams.emplace_back();
     s.fd = std::move(c);
     try {

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <optional>
 #include <nlohmann/json.hpp>
 
 #include "fsdp/common/error.hpp"
@@ -210,6 +211,111 @@ TEST(SnapshotKeeper, APeerStreamFromTheJobIsKeptAndAStrangersIsNot) {
   EXPECT_TRUE(member->value("ok", false)) << *member;
   using T = std::tuple<int, int, std::int64_t, bool>;
   EXPECT_EQ(c.list(), (std::vector<T>{{3, 4, 11, true}}));
+}
+
+// A TCP stream to the keeper, with a timeout on every read (a test never hangs on it).
+Fd connectTcp(const SnapshotKeeper& keeper) {
+  const std::string endpoint = keeper.peerEndpoint();
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<std::uint16_t>(std::stoi(endpoint.substr(endpoint.rfind(':') + 1))));
+  ::inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+  Fd fd(::socket(AF_INET, SOCK_STREAM, 0));
+  EXPECT_EQ(::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0) << endpoint;
+  timeval tv{.tv_sec = 10, .tv_usec = 0};
+  ::setsockopt(fd.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  return fd;
+}
+
+// One remote get on `stream`: the reply and the piece's bytes when it says ok; nullopt when the
+// keeper closed the stream instead.
+std::optional<std::pair<json, std::string>> remoteGet(int stream, const json& header) {
+  try {
+    fsdp::snapshot::writeFrame(stream, header.dump());
+    const auto text = fsdp::snapshot::readFrame(stream, "the keeper");
+    if (!text) return std::nullopt;
+    json reply = json::parse(*text);
+    std::string bytes;
+    if (reply.value("ok", false)) {
+      bytes.resize(reply.at("bytes").get<std::size_t>());
+      if (!fsdp::snapshot::readAll(stream, bytes.data(), bytes.size())) return std::nullopt;
+    }
+    return std::make_pair(std::move(reply), std::move(bytes));
+  } catch (const fsdp::Error&) {
+    return std::nullopt;  // reset by the keeper
+  }
+}
+
+json getHeader(const std::string& run, const std::string& token, int rank, int world, std::int64_t step) {
+  return {{"op", "get"}, {"run", run}, {"rank", rank}, {"world", world}, {"step", step},
+          {"mac", fsdp::snapshot::getMac(token, run, rank, world, step)}};
+}
+
+TEST(SnapshotKeeper, ARemoteGetOfTheJobGetsThePieceByteForByteAndAStrangersClosesOnlyItsStream) {
+  SnapshotKeeper keeper(options());
+  Client c(keeper);
+  TestPiece piece = makePiece(1, 2, 4, 3 * 4096 + 17);
+  // Data no other piece has: the get must hand back these very bytes.
+  const std::uint64_t bytes = fsdp::snapshot::fileBytes(piece.fd.get());
+  std::string expected(bytes, '\0');
+  ASSERT_EQ(::pread(piece.fd.get(), expected.data(), bytes, 0), static_cast<ssize_t>(bytes));
+  const std::uint64_t data = bytes - (3 * 4096 + 17);
+  for (std::uint64_t i = data; i < bytes; ++i) expected[i] = static_cast<char>((i * 31 + 7) % 251);
+  ASSERT_EQ(::pwrite(piece.fd.get(), expected.data() + data, bytes - data, static_cast<off_t>(data)),
+            static_cast<ssize_t>(bytes - data));
+  ASSERT_TRUE(c.put(piece)["ok"].get<bool>());
+
+  Fd stream = connectTcp(keeper);
+  const auto good = remoteGet(stream.get(), getHeader("keeper-test", "secret", 1, 2, 4));
+  ASSERT_TRUE(good.has_value());
+  ASSERT_TRUE(good->first.value("ok", false)) << good->first;
+  EXPECT_EQ(good->first["bytes"].get<std::uint64_t>(), bytes);
+  EXPECT_TRUE(good->second == expected) << "the bytes differ";
+  // A piece not held is an answer, and the stream serves on.
+  const auto unknown = remoteGet(stream.get(), getHeader("keeper-test", "secret", 1, 2, 5));
+  ASSERT_TRUE(unknown.has_value());
+  EXPECT_FALSE(unknown->first.value("ok", true));
+  EXPECT_NE(unknown->first.value("error", "").find("rank 1 (world 2) at step 5"), std::string::npos) << unknown->first;
+  const auto again = remoteGet(stream.get(), getHeader("keeper-test", "secret", 1, 2, 4));
+  ASSERT_TRUE(again.has_value());
+  EXPECT_TRUE(again->second == expected);
+
+  // Refused, each on a stream of its own that the keeper then closes: a wrong MAC, another run,
+  // and a put's header (its MAC under the job token) replayed as a get.
+  json wrongMac = getHeader("keeper-test", "wrong token", 1, 2, 4);
+  json otherRun = getHeader("other-run", "secret", 1, 2, 4);
+  json replayed{{"run", "keeper-test"}, {"rank", 1}, {"world", 2}, {"step", 4}, {"bytes", bytes},
+                {"mac", fsdp::snapshot::peerMac("secret", "keeper-test", 1, 2, 4, bytes)}};
+  replayed["op"] = "get";
+  json forged = getHeader("keeper-test", "secret", 1, 2, 4);
+  forged["step"] = 3;  // a MAC of step 4 for step 3
+  for (const json& header : {wrongMac, otherRun, replayed, forged}) {
+    Fd refused = connectTcp(keeper);
+    EXPECT_FALSE(remoteGet(refused.get(), header).has_value()) << header;
+    // Closed: nothing more is served on it.
+    EXPECT_FALSE(remoteGet(refused.get(), getHeader("keeper-test", "secret", 1, 2, 4)).has_value()) << header;
+  }
+  // The first stream and the worker's socket are unaffected.
+  const auto after = remoteGet(stream.get(), getHeader("keeper-test", "secret", 1, 2, 4));
+  ASSERT_TRUE(after.has_value());
+  EXPECT_TRUE(after->second == expected);
+  EXPECT_EQ(c.list().size(), 1u);
+}
+
+TEST(SnapshotKeeper, ARemoteGetPrefersTheKeepersOwnPieceToItsPeerCopy) {
+  SnapshotKeeper keeper(options());
+  Client c(keeper);
+  ASSERT_TRUE(c.put(makePiece(0, 2, 7, 4096))["ok"].get<bool>());
+  Fd copy = makePiece(0, 2, 7, 8192).fd;
+  const std::uint64_t copyBytes = fsdp::snapshot::fileBytes(copy.get());
+  json header{{"run", "keeper-test"}, {"rank", 0}, {"world", 2}, {"step", 7}, {"bytes", copyBytes},
+              {"mac", fsdp::snapshot::peerMac("secret", "keeper-test", 0, 2, 7, copyBytes)}};
+  ASSERT_TRUE(sendPeer(keeper, header, copy.get(), copyBytes).value_or(json{}).value("ok", false));
+  Fd stream = connectTcp(keeper);
+  const auto got = remoteGet(stream.get(), getHeader("keeper-test", "secret", 0, 2, 7));
+  ASSERT_TRUE(got.has_value());
+  ASSERT_TRUE(got->first.value("ok", false)) << got->first;
+  EXPECT_LT(got->first["bytes"].get<std::uint64_t>(), copyBytes);  // the own (smaller) piece
 }
 
 TEST(SnapshotKeeper, SizesParseAsTheFlagSaysAndBadOnesNameTheFlag) {

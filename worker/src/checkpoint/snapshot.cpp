@@ -1,11 +1,8 @@
 // In-memory snapshots (snapshot.hpp): a rank's checkpoint plan written into a sealed memfd on a
-// background thread, handed to the agent's keeper, copied to the next node's keeper; restored
-// through the checkpoint loader from pieces the keeper hands back.
+// background thread, handed to the agent's keeper, copied to the next node's keeper. The
+// restore (the agreement across nodes, the fetching) is snapshot_restore.cpp's.
 #include "fsdp/worker/snapshot.hpp"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <sys/mman.h>
 #include <sys/sendfile.h>
 #include <sys/socket.h>
@@ -14,7 +11,6 @@
 #include <cstring>
 #include <fstream>
 #include <list>
-#include <set>
 
 #include "checkpoint_internal.hpp"
 #include "fsdp/worker/flight_recorder.hpp"
@@ -22,44 +18,13 @@
 #include "fsdp/common/snapshot_wire.hpp"
 #include "fsdp/worker/runtime.hpp"
 #include "job_thread.hpp"
+#include "snapshot_fetch.hpp"
+#include "snapshot_restore.hpp"
 
 namespace fsdp::worker {
 
 using namespace detail;
 using snapshot::Fd;
-
-namespace {
-
-constexpr int kSlots = 8;  // steps each rank offers in the restore agreement
-
-Fd connectTcp(const std::string& endpoint) {
-  const auto colon = endpoint.rfind(':');
-  if (colon == std::string::npos) throw ConfigError("FSDPRUN_SNAPSHOT_PEER '" + endpoint + "': expected HOST:PORT");
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<std::uint16_t>(std::stoi(endpoint.substr(colon + 1))));
-  if (::inet_pton(AF_INET, endpoint.substr(0, colon).c_str(), &addr.sin_addr) != 1) {
-    throw ConfigError("the peer snapshot endpoint '" + endpoint + "' is not an IPv4 address");
-  }
-  Fd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  if (!fd) throwErrno("socket", errno);
-  if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
-    throwErrno("connecting to the peer snapshot keeper at " + endpoint, errno);
-  }
-  const int one = 1;
-  ::setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  return fd;
-}
-
-void setTimeouts(int fd, std::chrono::milliseconds timeout) {
-  timeval tv{};
-  tv.tv_sec = static_cast<time_t>(timeout.count() / 1000);
-  tv.tv_usec = static_cast<suseconds_t>(timeout.count() % 1000 * 1000);
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-}
-
-}  // namespace
 
 // A piece's memory in this process: mapped once, written again once its keeper let it go and no
 // live tensor lies in it (step() puts the parameters and the optimizer state in one).
@@ -137,6 +102,7 @@ struct Snapshotter::Impl {
   std::vector<std::int64_t> metaOf;
   bool peerFailed = false;
   std::string restoredFrom;
+  int restoreCalls = 0;
   // Used by the background thread only (and by wait()'s caller after). A buffer is free when
   // the keeper no longer holds it and nothing else refers to it (use_count() == 1).
   std::list<std::shared_ptr<Buffer>> buffers;
@@ -341,30 +307,21 @@ struct Snapshotter::Impl {
     }
     if (peerEndpoint.empty() || peerFailed) return;
     try {
-      if (!peer) {
-        peer = connectTcp(peerEndpoint);
-        setTimeouts(peer.get(), options.timeout);
-      }
+      if (!peer) peer = connectKeeper(peerEndpoint, options.timeout);
       const std::string frame =
           json{{"run", runtime.env().runId}, {"rank", rank}, {"world", world}, {"step", step}, {"bytes", total},
                {"mac", snapshot::peerMac(token, runtime.env().runId, rank, world, step, total)}}
               .dump();
-      const auto length = static_cast<std::uint32_t>(frame.size());
-      snapshot::writeAll(peer.get(), &length, sizeof(length));
-      snapshot::writeAll(peer.get(), frame.data(), frame.size());
+      snapshot::writeFrame(peer.get(), frame);
       off_t from = 0;
       while (static_cast<std::uint64_t>(from) < total) {
         const ssize_t n = ::sendfile(peer.get(), piece, &from, total - static_cast<std::uint64_t>(from));
         if (n < 0 && errno == EINTR) continue;
         if (n <= 0) throwErrno("sending a snapshot to " + peerEndpoint, errno);
       }
-      std::uint32_t replyLength = 0;
-      if (!snapshot::readAll(peer.get(), &replyLength, sizeof(replyLength)) || replyLength > 65536) {
-        throw Error("the peer keeper at " + peerEndpoint + " closed the stream");
-      }
-      std::string reply(replyLength, '\0');
-      if (!snapshot::readAll(peer.get(), reply.data(), reply.size())) throw Error("the peer keeper closed the stream");
-      const json r = json::parse(reply, nullptr, false);
+      const auto reply = snapshot::readFrame(peer.get(), "the peer keeper at " + peerEndpoint);
+      if (!reply) throw Error("the peer keeper at " + peerEndpoint + " closed the stream");
+      const json r = json::parse(*reply, nullptr, false);
       if (!r.is_object() || !r.value("ok", false)) {
         throw Error(r.is_object() ? r.value("error", std::string("refused")) : std::string("a malformed reply"));
       }
@@ -385,7 +342,7 @@ Snapshotter::Snapshotter(Runtime& runtime, SnapshotOptions options)
   if (socket != nullptr && *socket != '\0') {
     try {
       d.keeper = Fd(snapshot::connectSeqpacket(socket));
-      setTimeouts(d.keeper.get(), options.timeout);
+      setSocketTimeouts(d.keeper.get(), options.timeout);
       mine = true;
     } catch (const Error& e) {
       log::warn("rank {}: no in-memory snapshots: {}", runtime.rank(), e.what());
@@ -490,136 +447,15 @@ std::optional<TrainingProgress> Snapshotter::restore(FullyShardedDataParallel& m
   auto& d = *impl_;
   wait();
   if (!d.enabled) return std::nullopt;
-  const int rank = d.runtime.rank();
-  const int world = d.runtime.worldSize();
-
-  // What this node's keeper holds: (rank, world, step) -> peer?
-  std::map<std::tuple<int, int, std::int64_t>, bool> held;
-  try {
-    const json list = d.ask({{"op", "list"}});
-    for (const auto& p : list.at("pieces")) {
-      held[{p.at("rank").get<int>(), p.at("world").get<int>(), p.at("step").get<std::int64_t>()}] = p.value("peer", false);
-    }
-  } catch (const std::exception& e) {
-    log::warn("rank {}: cannot list the agent's snapshots: {}", rank, e.what());
-    held.clear();
-  }
-  // Offers: steps of this rank at this world size; steps whose every rank is here (any world).
-  std::set<std::int64_t, std::greater<>> own;
-  std::set<std::pair<std::int64_t, int>, std::greater<>> full;
-  for (const auto& [key, peer] : held) {
-    const auto [r, w, s] = key;
-    if (w == world && r == rank) own.insert(s);
-    bool all = true;
-    for (int q = 0; q < w && all; ++q) all = held.contains({q, w, s});
-    if (all) full.insert({s, w});
-  }
-  auto offer = at::full({2 * kSlots}, std::int64_t{-1}, at::kLong);
-  auto* o = offer.data_ptr<std::int64_t>();
-  int i = 0;
-  for (const auto s : own) {
-    if (i == kSlots) break;
-    o[i++] = s;
-  }
-  i = 0;
-  for (const auto& [s, w] : full) {
-    if (i == kSlots) break;
-    o[kSlots + i++] = s * 65536 + w;
-  }
-  auto offers = at::empty({world * 2 * kSlots}, at::kLong);
-  const CommTag tag("snapshot", "restore");
-  d.runtime.cpuComm().allGather(offer, offers).wait();
-  const auto* all = offers.data_ptr<std::int64_t>();
-  const auto everyone = [&](int base, std::int64_t value) {
-    for (int r = 0; r < world; ++r) {
-      const auto* row = all + r * 2 * kSlots + base;
-      if (std::find(row, row + kSlots, value) == row + kSlots) return false;
-    }
-    return true;
-  };
-  std::int64_t bestOwn = -1, bestFull = -1;
-  for (int k = 0; k < kSlots; ++k) {
-    if (all[k] >= 0 && all[k] > bestOwn && everyone(0, all[k])) bestOwn = all[k];
-    const std::int64_t f = all[kSlots + k];
-    if (f >= 0 && (bestFull < 0 || f / 65536 > bestFull / 65536) && everyone(kSlots, f)) bestFull = f;
-  }
-  bool anyHeld = false;
-  {
-    auto any = at::full({1}, held.empty() ? 0.0 : 1.0, at::kDouble);
-    d.runtime.cpuComm().allReduce(any, ReduceOp::kMax).wait();
-    anyHeld = any.item<double>() > 0;
-  }
-  if (bestOwn < 0 && bestFull < 0) {
-    if (anyHeld && rank == 0) {
-      log::warn("no in-memory snapshot is held for every rank of this world ({}): resuming from disk", world);
-    }
-    return std::nullopt;
-  }
-  const bool sameWorld = bestOwn >= 0 && (bestFull < 0 || bestOwn >= bestFull / 65536);
-  const std::int64_t step = sameWorld ? bestOwn : bestFull / 65536;
-  const int oldWorld = sameWorld ? world : static_cast<int>(bestFull % 65536);
-  const std::string label = "the in-memory snapshot of step " + std::to_string(step);
-
-  // Fetch the pieces and lay them out as a checkpoint's files.
-  std::string failure;
-  Manifest m;
-  m.path = label;
-  std::vector<std::pair<int, Fd>> pieces;
-  bool fromPeer = false;
-  try {
-    json files = json::array();
-    json meta;
-    for (int q = 0; q < oldWorld; ++q) {
-      if (sameWorld && q != rank) {
-        files.push_back({{"rank", q}, {"bytes", 0}, {"blocks", json::array()}});
-        continue;
-      }
-      Fd fd;
-      const json answer = d.ask({{"op", "get"}, {"rank", q}, {"world", oldWorld}, {"step", step}}, -1, &fd);
-      if (!answer.value("ok", false) || !fd) {
-        throw ConfigError(label + ": the agent no longer holds rank " + std::to_string(q) + "'s part");
-      }
-      fromPeer = fromPeer || answer.value("peer", false);
-      const std::string headerText = snapshot::readPieceHeader(fd.get(), label + " of rank " + std::to_string(q));
-      const json header = json::parse(headerText);
-      if (header.at("step").get<std::int64_t>() != step || header.at("world").get<int>() != oldWorld ||
-          header.at("rank").get<int>() != q) {
-        throw ConfigError(label + ": rank " + std::to_string(q) + "'s part is of another step or world");
-      }
-      const std::uint64_t dataOffset = snapshot::dataOffsetFor(headerText.size());
-      json blocks = json::array();
-      // Across world sizes, each element is read from its primary replica only (NO_SHARD and
-      // HYBRID_SHARD replicas hold the same values more than once).
-      const bool primary = header.at("meta").value("primary_replica", true);
-      for (auto b : header.at("blocks")) {
-        const std::string what = b.at("what").get<std::string>();
-        if (!sameWorld && !primary && (what == "param" || what.starts_with("optim/"))) continue;
-        b["offset"] = b.at("offset").get<std::uint64_t>() + dataOffset;
-        blocks.push_back(std::move(b));
-      }
-      files.push_back({{"rank", q}, {"bytes", snapshot::fileBytes(fd.get())}, {"blocks", blocks}});
-      if (meta.is_null()) meta = header.at("meta");
-      pieces.emplace_back(q, std::move(fd));
-    }
-    meta["files"] = std::move(files);
-    m = manifestFromMeta(std::move(meta), label);
-    m.checkCrc = false;
-  } catch (const std::exception& e) {
-    failure = e.what();
-  }
-  Reader reader(m);
-  for (auto& [q, fd] : pieces) reader.adopt(q, std::make_unique<File>(fd.release(), label + " of rank " + std::to_string(q)));
-  try {
-    auto progress = loadManifest(d.runtime, m, reader, model, optimizer,
-                                 d.runtime.roundPrefix() + "snapshot/load/" + std::to_string(step) + "/error", failure);
-    auto from = at::full({1}, fromPeer ? 1.0 : 0.0, at::kDouble);
-    d.runtime.cpuComm().allReduce(from, ReduceOp::kMax).wait();
-    d.restoredFrom = from.item<double>() > 0 ? "peer copy" : "memory";
-    return progress;
-  } catch (const ConfigError& e) {
-    if (rank == 0) log::warn("{} was refused: {}; resuming from disk", label, e.what());
-    return std::nullopt;
-  }
+  const KeeperLink link{.runtime = d.runtime,
+                        .ask = [&d](const json& request, Fd* passed) { return d.ask(request, -1, passed); },
+                        .token = d.token,
+                        .timeout = d.options.timeout,
+                        .call = d.restoreCalls++};
+  auto restored = restoreFromKeepers(link, model, optimizer);
+  if (!restored) return std::nullopt;
+  d.restoredFrom = std::move(restored->source);
+  return std::move(restored->progress);
 }
 
 }  // namespace fsdp::worker

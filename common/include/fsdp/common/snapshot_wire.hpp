@@ -86,6 +86,17 @@ std::optional<std::pair<std::string, Fd>> receiveMessage(int sock);
 // The MAC a peer stream's header carries: HMAC-SHA256 under the job token of the other fields.
 std::string peerMac(const std::string& token, const std::string& runId, int rank, int world, std::int64_t step,
                     std::uint64_t bytes);
+// The MAC of a remote get's header (a keeper hands a piece only to the job). Its message differs
+// from peerMac's in its first field: a put header can never pass as a get.
+std::string getMac(const std::string& token, const std::string& runId, int rank, int world, std::int64_t step);
+
+// The largest header or reply a TCP snapshot stream carries.
+inline constexpr std::uint32_t kMaxFrame = 65536;
+// One frame on a TCP snapshot stream: a u32 length (host order) and that many bytes of JSON.
+void writeFrame(int fd, std::string_view text);
+// The next frame; nullopt when the peer closed before it. Throws ProtocolError when its length
+// is over kMaxFrame, Error on a read error or timeout.
+std::optional<std::string> readFrame(int fd, const std::string& where);
 
 // Reads and writes all of a buffer on a stream socket (blocking); false when the peer closed.
 bool readAll(int fd, void* data, std::size_t n);

@@ -15,9 +15,18 @@
 //                                     | {"ok":false,"error":"..."}
 //   {"op":"list"}                  -> {"ok":true,"pieces":[{"rank","world","step","bytes","peer"}]}
 //   {"op":"get","rank","world","step"} -> {"ok":true,"peer":bool} + the piece | {"ok":false,...}
-// On TCP: u32 length, header {"run","rank","world","step","bytes","mac"}, then the piece's
-// bytes; the reply is u32 length and {"ok":...}. "mac" is HMAC-SHA256 under the job token of
-// the other header fields: a keeper stores nothing from a sender outside the job.
+// On TCP, frames of a u32 length (host order, at most 64 KiB) and JSON; a stream may carry
+// any number of requests, one after the other:
+//   put (a peer copy; "op" may be absent): {"op":"put","run","rank","world","step","bytes","mac"}
+//       then the piece's bytes  -> {"ok":true} | {"ok":false,"error":"..."}
+//       "mac" is snapshot::peerMac: a keeper stores nothing from a sender outside the job.
+//   get (a restoring worker of any node): {"op":"get","run","rank","world","step","mac"}
+//       -> {"ok":true,"bytes":N} then the piece's N bytes (its own piece when it holds both it
+//          and a peer copy) | {"ok":false,"error":"..."} (not held; the stream goes on)
+//       "mac" is snapshot::getMac (a put header cannot pass as a get): a keeper hands nothing
+//       to a reader outside the job.
+// A request with a wrong run id or MAC, or a malformed one, closes that stream only (one
+// warning). A stream silent for 60 s mid-request is closed.
 //
 // Thread-safety: the keeper runs on its own threads; its public members may be called from any.
 
@@ -51,7 +60,7 @@ class SnapshotKeeper {
 
   // The abstract socket name for FSDPRUN_SNAPSHOT_SOCKET (without the leading NUL).
   const std::string& socketName() const;
-  // host:port of the peer stream, for FSDPRUN_SNAPSHOT_PEER.
+  // host:port of the TCP side (peer copies in, remote gets out), for FSDPRUN_SNAPSHOT_PEER.
   std::string peerEndpoint() const;
   KeeperStats stats() const;
 

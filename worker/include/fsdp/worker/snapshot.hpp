@@ -77,12 +77,15 @@ class Snapshotter {
   // writer may then read them on its own thread (Checkpointer::save's `frozen`).
   bool frozen(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer) const;
 
-  // Collective. Restores the newest step whose snapshot every rank can read (on this node, or
-  // from the peer copy when a node was lost: then resharded to this world size). nullopt, with
-  // one line on rank 0 saying why, when there is none or it does not fit the model; nothing is
-  // changed then.
+  // Collective. Restores the newest step of which every rank's piece is held by some node's
+  // agent (a lost node's ranks by the node holding their peer copies), at the current world size
+  // if it can, else resharded from the old one. A rank reads a piece from its own node's agent
+  // when it holds it, else fetches it over TCP from an agent that does. nullopt, with one line
+  // on rank 0 saying why, when there is none (a node lost with the node holding its peer copies),
+  // a fetch failed or it does not fit the model; nothing is changed then, on any rank.
   std::optional<TrainingProgress> restore(FullyShardedDataParallel& model, torch::optim::Optimizer* optimizer);
-  // After a restore: "memory" (this node's) or "peer copy" (a lost node's, from its peer).
+  // After a restore: "memory" (every rank's own piece, from its own node's agent) or "peer copy"
+  // (some piece came from a copy: a lost node's, or one fetched from another node).
   const std::string& restoredFrom() const;
 
  private:

@@ -1,0 +1,252 @@
+#pragma once
+// Test helper for multi-node jobs on loopback: a standalone fsdprun-rdzv daemon and one fsdprun
+// agent per "node" (127.0.0.2, .3, ...), each with its own stdout/stderr file, all running the
+// mnist trainer with a shared metrics file; finding the agent of a rank or of a group rank, and
+// killing agents (with their workers) by SIGKILL. Every wait is bounded.
+//
+//   NodeJob job("loss", {.agents = 4, .nnodes = "3:4"});
+//   ASSERT_TRUE(job.waitForStep(12, 240s));
+//   job.kill(job.agentOfRank(2));
+//   auto rc = job.wait(survivor, 240s);
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fsdp/common/process.hpp"
+#include "processes.hpp"
+#include "rdzv_daemon.hpp"
+#include "run_command.hpp"
+
+namespace fsdp::testing::nodes {
+
+inline const std::string kBin = FSDP_BIN_DIR;
+inline const std::string kData = "/usr/share/datasets/fashion-mnist";
+
+inline bool haveData() { return std::filesystem::exists(kData); }
+
+// The JSON lines of a metrics file (a partial last line is skipped).
+inline std::vector<nlohmann::json> metricsLines(const std::string& path) {
+  std::vector<nlohmann::json> lines;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_object()) lines.push_back(std::move(j));
+  }
+  return lines;
+}
+
+// The newest "train" step in a metrics file; -1 when none.
+inline long long lastTrainStep(const std::string& metricsPath) {
+  long long step = -1;
+  for (const auto& line : metricsLines(metricsPath)) {
+    if (line.value("type", "") == "train") step = std::max(step, line["step"].get<long long>());
+  }
+  return step;
+}
+
+// A run id of its own, so that what the job leaves behind can be found by name.
+inline std::string uniqueRunId(const std::string& what) {
+  return "nodes-" + what + "-" + std::to_string(::getpid()) + "-" +
+         std::to_string(std::chrono::steady_clock::now().time_since_epoch().count() % 1000000);
+}
+
+// The mnist trainer's command line: `steps` steps, no eval, a metrics line per step.
+inline std::vector<std::string> mnist(const std::vector<std::string>& extra, int steps) {
+  std::vector<std::string> argv = {
+      kBin + "/mnist", "--max_steps", std::to_string(steps), "--no_eval",
+      "--progress",    "none",        "--log_every",         "1"};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  return argv;
+}
+
+inline int parentOf(int pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto close = text.rfind(')');
+  if (close == std::string::npos) return -1;
+  std::istringstream rest(text.substr(close + 2));
+  std::string state;
+  int ppid = -1;
+  rest >> state >> ppid;
+  return ppid;
+}
+
+// The value of `key` in a process's environment; "" when it has none (or is gone).
+inline std::string environmentValue(int pid, const std::string& key) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/environ");
+  std::string entry;
+  while (std::getline(in, entry, '\0')) {
+    if (entry.starts_with(key + "=")) return entry.substr(key.size() + 1);
+  }
+  return "";
+}
+
+struct NodeJobOptions {
+  int agents = 4;
+  std::string nnodes = "3:4";
+  int nprocPerNode = 1;
+  int maxRestarts = 2;
+  std::vector<std::string> job;            // the training command; mnist when empty:
+  int steps = 40;                          //   its steps,
+  int checkpointEvery = 0;                 //   and disk checkpoints to checkpointDir() (0: none)
+  std::vector<std::string> launcherFlags;  // more fsdprun flags
+  std::string rdzvConf =
+      "is_host=false,heartbeat_interval=0.2,heartbeat_timeout=2,last_call_timeout=1";
+};
+
+class NodeJob {
+ public:
+  // Starts the daemon and the agents (FSDPRUN_BACKEND=gloo: nodes share no memory anyway).
+  NodeJob(const std::string& what, NodeJobOptions options)
+      : options_(std::move(options)), runId_(uniqueRunId(what)), tag_("FSDP_NODES_TAG=" + runId_) {
+    std::vector<std::string> env = fsdp::currentEnvironment();
+    env.push_back(tag_);
+    env.push_back("TMPDIR=" + dir_.path());
+    env.push_back("FSDPRUN_BACKEND=gloo");
+    std::vector<std::string> job = options_.job;
+    if (job.empty()) {
+      std::vector<std::string> flags = {"--metrics_file", metricsPath()};
+      if (options_.checkpointEvery > 0) {
+        flags.insert(flags.end(), {"--checkpoint_dir", checkpointDir(), "--checkpoint_every",
+                                   std::to_string(options_.checkpointEvery)});
+      }
+      job = mnist(flags, options_.steps);
+    }
+    for (int i = 0; i < options_.agents; ++i) {
+      std::vector<std::string> argv = {kBin + "/fsdprun",
+                                       "--nnodes",
+                                       options_.nnodes,
+                                       "--nproc_per_node",
+                                       std::to_string(options_.nprocPerNode),
+                                       "--max_restarts",
+                                       std::to_string(options_.maxRestarts),
+                                       "--rdzv_backend",
+                                       "c10d",
+                                       "--rdzv_endpoint",
+                                       "127.0.0.1:" + std::to_string(daemon_.port()),
+                                       "--rdzv_id",
+                                       runId_,
+                                       "--local_addr",
+                                       "127.0.0." + std::to_string(i + 2),
+                                       "--rdzv_conf",
+                                       options_.rdzvConf};
+      argv.insert(argv.end(), options_.launcherFlags.begin(), options_.launcherFlags.end());
+      argv.insert(argv.end(), job.begin(), job.end());
+      fsdp::SpawnOptions spawn{.argv = argv, .env = env, .deathSignal = SIGKILL};
+      spawn.stdoutPath = outPath(i);
+      spawn.stderrPath = errPath(i);
+      agents_.push_back(fsdp::ChildProcess::spawn(spawn));
+    }
+  }
+
+  const std::string& dir() const { return dir_.path(); }
+  const std::string& runId() const { return runId_; }
+  // "FSDP_NODES_TAG=<run id>": in the environment of every process of the job.
+  const std::string& tag() const { return tag_; }
+  std::string metricsPath() const { return dir_.path() + "/metrics.jsonl"; }
+  std::string checkpointDir() const { return dir_.path() + "/ckpt"; }
+  std::string outPath(int agent) const {
+    return dir_.path() + "/agent" + std::to_string(agent) + ".out";
+  }
+  std::string errPath(int agent) const {
+    return dir_.path() + "/agent" + std::to_string(agent) + ".err";
+  }
+  std::string out(int agent) const { return readFile(outPath(agent)); }
+  std::string err(int agent) const { return readFile(errPath(agent)); }
+  // Every agent's stderr, each under a line naming it.
+  std::string allErr() const {
+    std::string text;
+    for (int i = 0; i < options_.agents; ++i)
+      text += "---- agent " + std::to_string(i) + "\n" + err(i);
+    return text;
+  }
+  int agents() const { return options_.agents; }
+  fsdp::ChildProcess& agent(int i) { return agents_.at(static_cast<std::size_t>(i)); }
+
+  // Waits (bounded) until the metrics file shows step `step` trained.
+  bool waitForStep(long long step, std::chrono::milliseconds within) const {
+    const auto deadline = std::chrono::steady_clock::now() + within;
+    while (lastTrainStep(metricsPath()) < step && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return lastTrainStep(metricsPath()) >= step;
+  }
+
+  // The agent whose worker has `key`=`value` in its environment ("RANK", "GROUP_RANK"); -1 when
+  // none (now).
+  int agentOfWorker(const std::string& key, int value) const {
+    const auto ours = processesWithEnvironment(tag_);
+    for (const int pid : processesWithEnvironment(key + "=" + std::to_string(value))) {
+      if (std::find(ours.begin(), ours.end(), pid) == ours.end()) continue;
+      const int parent = parentOf(pid);
+      for (std::size_t i = 0; i < agents_.size(); ++i) {
+        if (agents_[i].pid() == parent) return static_cast<int>(i);
+      }
+    }
+    return -1;
+  }
+  int agentOfRank(int rank) const { return agentOfWorker("RANK", rank); }
+  int agentOfGroupRank(int groupRank) const { return agentOfWorker("GROUP_RANK", groupRank); }
+  // The global ranks of the workers under agent `i` now.
+  std::vector<int> ranksUnder(int i) const {
+    std::vector<int> ranks;
+    for (const int pid : processesWithEnvironment(tag_)) {
+      if (parentOf(pid) != agents_.at(static_cast<std::size_t>(i)).pid()) continue;
+      const std::string rank = environmentValue(pid, "RANK");
+      if (!rank.empty()) ranks.push_back(std::stoi(rank));
+    }
+    std::sort(ranks.begin(), ranks.end());
+    return ranks;
+  }
+
+  // What the job left behind once its agents are gone: processes carrying tag() that outlive
+  // `grace`, /dev/shm entries naming runId(); empty when nothing.
+  std::vector<std::string> leftovers(
+      std::chrono::milliseconds grace = std::chrono::seconds(10)) const {
+    std::vector<std::string> left;
+    for (const int pid : processesWithEnvironment(tag_)) {
+      if (!processGone(pid, grace)) left.push_back("process " + std::to_string(pid));
+    }
+    for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
+      if (entry.path().filename().string().find(runId_) != std::string::npos)
+        left.push_back(entry.path().string());
+    }
+    return left;
+  }
+
+  // SIGKILLs agent `i` (its workers die with it: PR_SET_PDEATHSIG) and reaps it.
+  bool kill(int i) {
+    ::kill(agent(i).pid(), SIGKILL);
+    return agent(i).waitFor(std::chrono::seconds(20)).has_value();
+  }
+  // Agent `i`'s exit code (its wait status decoded); nullopt when it did not exit within.
+  std::optional<int> wait(int i, std::chrono::milliseconds within) {
+    const auto status = agent(i).waitFor(within);
+    if (!status) return std::nullopt;
+    return WIFEXITED(*status) ? WEXITSTATUS(*status) : 128 + WTERMSIG(*status);
+  }
+
+ private:
+  NodeJobOptions options_;
+  TempDir dir_;
+  std::string runId_;
+  std::string tag_;
+  RdzvDaemon daemon_;
+  std::vector<fsdp::ChildProcess> agents_;
+};
+
+}  // namespace fsdp::testing::nodes

@@ -1,0 +1,149 @@
+// Lost nodes of a job of more than two nodes, end to end: real agents on 127.0.0.2.. against a
+// standalone fsdprun-rdzv, the real mnist trainer, real SIGKILLs of whole agents. A lost node's
+// ranks come back from their peer copies on another node (fetched over TCP by whichever rank
+// needs them); a node lost with the node holding its peer copy sends the job to disk, saying so.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "node_job.hpp"
+#include "summary_line.hpp"
+
+namespace {
+
+using fsdp::testing::runCommand;
+using fsdp::testing::summaryOf;
+using fsdp::testing::nodes::kBin;
+using fsdp::testing::nodes::metricsLines;
+using fsdp::testing::nodes::mnist;
+using fsdp::testing::nodes::NodeJob;
+using nlohmann::json;
+using namespace std::chrono_literals;
+
+constexpr int kSteps = 30;
+constexpr long long kKillAfter = 12;
+
+class NodeLoss : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!fsdp::testing::nodes::haveData()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  }
+};
+
+// The wall-clock time now, as the metrics lines' unix_time has it.
+double unixNow() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+TEST_F(NodeLoss, AKilledNodeOfFourIsRestoredFromItsPeerCopyAndThreeRanksEndAsAResumedRun) {
+  NodeJob job("peer", {.agents = 4, .nnodes = "3:4", .steps = kSteps});
+  ASSERT_TRUE(job.waitForStep(kKillAfter, 240s)) << job.allErr();
+  // Not rank 0's node: its agent's output holds the summary this test reads.
+  const int victim = job.agentOfRank(2);
+  ASSERT_GE(victim, 0) << "no worker of rank 2 under any agent";
+  const double killedAt = unixNow();
+  ASSERT_TRUE(job.kill(victim));
+  for (int i = 0; i < job.agents(); ++i) {
+    if (i == victim) continue;
+    const auto rc = job.wait(i, 300s);
+    ASSERT_TRUE(rc.has_value()) << "agent " << i << " did not end\n" << job.allErr();
+    ASSERT_EQ(*rc, 0) << "agent " << i << "\n" << job.allErr();
+  }
+  // Rank 0 of the restarted world prints the summary; whichever agent that is.
+  json summary;
+  for (int i = 0; i < job.agents(); ++i) {
+    const auto s = summaryOf(job.out(i));
+    if (i != victim && s.contains("params_sha256")) summary = s;
+  }
+  ASSERT_TRUE(summary.is_object()) << job.allErr();
+
+  // At most one step redone: the last step completed before the kill, against the one resumed.
+  long long doneBeforeKill = -1;
+  json resume;
+  for (const auto& line : metricsLines(job.metricsPath())) {
+    if (line.value("type", "") == "train" && line.value("unix_time", 0.0) < killedAt &&
+        resume.is_null()) {
+      doneBeforeKill = std::max(doneBeforeKill, line["step"].get<long long>());
+    }
+    if (line.value("type", "") == "resume") resume = line;
+  }
+  ASSERT_TRUE(resume.is_object()) << "no resume line in " << job.metricsPath() << "\n"
+                                  << job.allErr();
+  EXPECT_EQ(resume.value("source", ""), "peer copy") << job.allErr();
+  const long long resumed = resume["step"].get<long long>();
+  EXPECT_GE(resumed, doneBeforeKill - 1) << "more than one step redone";
+  EXPECT_EQ(summary.value("world_size", 0), 3);
+  EXPECT_EQ(summary.value("resumed_from_step", -1), resumed);
+  EXPECT_EQ(summary.value("steps", 0), kSteps);
+
+  // The state equals a 3-rank run resumed from that step: 4 ranks that save every step up to
+  // it, then 3 ranks from its checkpoint.
+  const std::string ckpt = job.dir() + "/ckpt";
+  auto four = mnist({"--checkpoint_dir", ckpt, "--checkpoint_every", "1", "--keep_checkpoints", "0",
+                     "--snapshot_every", "0"},
+                    static_cast<int>(resumed));
+  four.insert(four.begin(), {kBin + "/fsdprun", "--nproc_per_node", "4"});
+  const auto first = runCommand(four, 300s, {"FSDPRUN_BACKEND=gloo", job.tag()});
+  ASSERT_EQ(first.exitCode, 0) << first.err;
+  auto three = mnist({"--checkpoint_dir", ckpt, "--snapshot_every", "0"}, kSteps);
+  three.insert(three.begin(), {kBin + "/fsdprun", "--nproc_per_node", "3"});
+  const auto second = runCommand(three, 300s, {"FSDPRUN_BACKEND=gloo", job.tag()});
+  ASSERT_EQ(second.exitCode, 0) << second.err;
+  const auto reference = summaryOf(second.out);
+  EXPECT_EQ(reference.value("resumed_from_step", -1), resumed);
+  EXPECT_EQ(summary.value("params_sha256", ""), reference.value("params_sha256", "?"))
+      << "the survivors ended elsewhere than three ranks resumed from step " << resumed;
+  EXPECT_EQ(job.leftovers(), std::vector<std::string>{});
+}
+
+TEST_F(NodeLoss, ANodeLostWithItsPeerCopysHolderSendsTheSurvivorsToDiskSayingWhy) {
+  constexpr int kEvery = 4;
+  NodeJob job("disk", {.agents = 4, .nnodes = "2:4", .steps = kSteps, .checkpointEvery = kEvery});
+  ASSERT_TRUE(job.waitForStep(kKillAfter, 240s)) << job.allErr();
+  // Node g's peer copies are on node g + 1: kill both, neither of them rank 0's node.
+  const int zero = job.agentOfRank(0);
+  ASSERT_GE(zero, 0);
+  int lostGroup = -1;
+  for (int g = 0; g < 4 && lostGroup < 0; ++g) {
+    if (job.agentOfGroupRank(g) != zero && job.agentOfGroupRank((g + 1) % 4) != zero) lostGroup = g;
+  }
+  ASSERT_GE(lostGroup, 0);
+  const int first = job.agentOfGroupRank(lostGroup);
+  const int second = job.agentOfGroupRank((lostGroup + 1) % 4);
+  ASSERT_GE(first, 0);
+  ASSERT_GE(second, 0);
+  const std::vector<int> lostRanks = job.ranksUnder(first);  // held nowhere once both are gone
+  ASSERT_EQ(lostRanks.size(), 1u);
+  ::kill(job.agent(first).pid(), SIGKILL);
+  ::kill(job.agent(second).pid(), SIGKILL);
+  ASSERT_TRUE(job.agent(first).waitFor(20s).has_value());
+  ASSERT_TRUE(job.agent(second).waitFor(20s).has_value());
+  std::string survivorsErr;
+  json summary;
+  for (int i = 0; i < job.agents(); ++i) {
+    if (i == first || i == second) continue;
+    const auto rc = job.wait(i, 300s);
+    ASSERT_TRUE(rc.has_value()) << "agent " << i << " did not end\n" << job.allErr();
+    ASSERT_EQ(*rc, 0) << "agent " << i << "\n" << job.allErr();
+    survivorsErr += job.err(i);
+    const auto s = summaryOf(job.out(i));
+    if (s.contains("params_sha256")) summary = s;
+  }
+  ASSERT_TRUE(summary.is_object()) << job.allErr();
+  EXPECT_EQ(summary.value("world_size", 0), 2);
+  EXPECT_EQ(summary.value("resumed_source", ""), "disk") << survivorsErr;
+  EXPECT_EQ(summary.value("resumed_from_step", -1) % kEvery, 0) << summary;
+  EXPECT_EQ(summary.value("steps", 0), kSteps);
+  // One line says why, naming the rank no survivor holds.
+  const std::string why = "rank " + std::to_string(lostRanks[0]) + " is held by no surviving node";
+  EXPECT_EQ(fsdp::testing::countOccurrences(survivorsErr, why), 1) << survivorsErr;
+  EXPECT_NE(survivorsErr.find("no in-memory snapshot covers every rank of world 4"),
+            std::string::npos)
+      << survivorsErr;
+  EXPECT_EQ(job.leftovers(), std::vector<std::string>{});
+}
+
+}  // namespace
