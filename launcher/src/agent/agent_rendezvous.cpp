@@ -226,7 +226,7 @@ bool Agent::failover() {
     }
     std::string error;
     if (tryConnect(Deadline::after(server_ ? std::chrono::milliseconds(10s) : turn), error)) {
-      log::info("run '{}' goes on with the rendezvous at {}:{} (node {})", options_.rdzvId, s.address, port, s.node);
+      log::warn("run '{}' goes on with the rendezvous at {}:{} (node {})", options_.rdzvId, s.address, port, s.node);
       lost_.reset();
       nextHeartbeat_ = Clock::now();
       startProxy();
@@ -329,7 +329,7 @@ std::variant<Assignment, AgentResult> Agent::joinRound() {
                               event->reason);
         case EventKind::kRoundEnded: break;  // news of a round this node has already left
         case EventKind::kSpare:
-          log::info("{}", event->reason);
+          log::warn("{}", event->reason);
           successors_ = event->assignment.successors;
           break;
       }

@@ -71,7 +71,7 @@ void StoreServer::Impl::deliver(Run& run, const std::vector<Event>& events) {
       assigned = true;
       event.assignment.pytorchStore = pytorchRun;
     }
-    if (event.kind == EventKind::kSpare) log::info("store server: run '{}': {}", run.id, event.reason);
+    if (event.kind == EventKind::kSpare) log::warn("store server: run '{}': {}", run.id, event.reason);
     const auto it = sessions.find(event.agent);
     if (it == sessions.end()) continue;
     Session& session = *it->second;
