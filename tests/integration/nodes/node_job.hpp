@@ -106,6 +106,9 @@ struct NodeJobOptions {
   std::vector<std::string> launcherFlags;  // more fsdprun flags
   std::string rdzvConf =
       "is_host=false,heartbeat_interval=0.2,heartbeat_timeout=2,last_call_timeout=1";
+  // Agent 0 serves the rendezvous itself (on 127.0.0.2, is_host=true), as under Slurm, instead
+  // of a standalone daemon.
+  bool agentHosts = false;
 };
 
 class NodeJob {
@@ -113,6 +116,9 @@ class NodeJob {
   // Starts the daemon and the agents (FSDPRUN_BACKEND=gloo: nodes share no memory anyway).
   NodeJob(const std::string& what, NodeJobOptions options)
       : options_(std::move(options)), runId_(uniqueRunId(what)), tag_("FSDP_NODES_TAG=" + runId_) {
+    if (!options_.agentHosts) daemon_.emplace();
+    const std::string endpoint = options_.agentHosts ? "127.0.0.2:" + std::to_string(freeLoopbackPort())
+                                                     : "127.0.0.1:" + std::to_string(daemon_->port());
     std::vector<std::string> env = fsdp::currentEnvironment();
     env.push_back(tag_);
     env.push_back("TMPDIR=" + dir_.path());
@@ -137,13 +143,14 @@ class NodeJob {
                                        "--rdzv_backend",
                                        "c10d",
                                        "--rdzv_endpoint",
-                                       "127.0.0.1:" + std::to_string(daemon_.port()),
+                                       endpoint,
                                        "--rdzv_id",
                                        runId_,
                                        "--local_addr",
                                        "127.0.0." + std::to_string(i + 2),
                                        "--rdzv_conf",
-                                       options_.rdzvConf};
+                                       options_.agentHosts && i == 0 ? "is_host=true" + options_.rdzvConf.substr(options_.rdzvConf.find(','))
+                                                                     : options_.rdzvConf};
       argv.insert(argv.end(), options_.launcherFlags.begin(), options_.launcherFlags.end());
       argv.insert(argv.end(), job.begin(), job.end());
       fsdp::SpawnOptions spawn{.argv = argv, .env = env, .deathSignal = SIGKILL};
@@ -245,7 +252,7 @@ class NodeJob {
   TempDir dir_;
   std::string runId_;
   std::string tag_;
-  RdzvDaemon daemon_;
+  std::optional<RdzvDaemon> daemon_;
   std::vector<fsdp::ChildProcess> agents_;
 };
 

@@ -1,0 +1,176 @@
+// The rendezvous host and spare nodes, end to end: real agents on 127.0.0.2.., the real mnist
+// trainer, real SIGKILLs. The agent that serves the rendezvous dies and the survivors move it to
+// its successor and go on from memory; a spare node takes a lost node's place and the run ends
+// bit-identical to one that lost nothing; a spare running another program is refused.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "node_job.hpp"
+#include "summary_line.hpp"
+
+namespace {
+
+using fsdp::testing::runCommand;
+using fsdp::testing::summaryOf;
+using fsdp::testing::nodes::kBin;
+using fsdp::testing::nodes::metricsLines;
+using fsdp::testing::nodes::mnist;
+using fsdp::testing::nodes::NodeJob;
+using nlohmann::json;
+using namespace std::chrono_literals;
+
+constexpr int kSteps = 30;
+constexpr long long kKillAfter = 12;
+
+double unixNow() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+// What the job did around a kill at `killedAt`: the newest step done before it, the resume line.
+struct AroundKill {
+  long long doneBefore = -1;
+  json resume;
+};
+
+AroundKill aroundKill(const std::string& metrics, double killedAt) {
+  AroundKill r;
+  for (const auto& line : metricsLines(metrics)) {
+    if (line.value("type", "") == "train" && line.value("unix_time", 0.0) < killedAt && r.resume.is_null()) {
+      r.doneBefore = std::max(r.doneBefore, line["step"].get<long long>());
+    }
+    if (line.value("type", "") == "resume") r.resume = line;
+  }
+  return r;
+}
+
+// Waits for every agent but `victim` to exit 0; the summary line of the one that printed it.
+json survivorsSucceed(NodeJob& job, int victim) {
+  json summary;
+  for (int i = 0; i < job.agents(); ++i) {
+    if (i == victim) continue;
+    const auto rc = job.wait(i, 400s);
+    EXPECT_TRUE(rc.has_value()) << "agent " << i << " did not end\n" << job.allErr();
+    if (!rc) return summary;
+    EXPECT_EQ(*rc, 0) << "agent " << i << "\n" << job.allErr();
+    const auto s = summaryOf(job.out(i));
+    if (s.contains("params_sha256")) summary = s;
+  }
+  return summary;
+}
+
+class Failover : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!fsdp::testing::nodes::haveData()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  }
+};
+
+// Must-show 1 of issue 32: 3 nodes of 2 workers, node 0's agent serves the rendezvous and is
+// SIGKILLed with its workers mid-training. The two survivors move the rendezvous to node 1,
+// restore node 0's ranks from its peer copy, and end as a 2-node run resumed from that step.
+TEST_F(Failover, KillingTheAgentThatServesTheRendezvousLeavesTheRunToTheSurvivorsFromMemory) {
+  NodeJob job("host", {.agents = 3, .nnodes = "2:3", .nprocPerNode = 2, .steps = kSteps, .agentHosts = true});
+  ASSERT_TRUE(job.waitForStep(kKillAfter, 300s)) << job.allErr();
+  const int host = job.agentOfRank(0);
+  ASSERT_EQ(host, 0) << "agent 0 (127.0.0.2, the endpoint) should be node 0\n" << job.allErr();
+  const double killedAt = unixNow();
+  ASSERT_TRUE(job.kill(host));
+  const json summary = survivorsSucceed(job, host);
+  ASSERT_TRUE(summary.is_object() && summary.contains("params_sha256")) << job.allErr();
+  EXPECT_NE(job.err(1).find("serving the rendezvous of run"), std::string::npos) << job.allErr();
+  EXPECT_NE(job.err(2).find("goes on with the rendezvous at 127.0.0.3"), std::string::npos) << job.allErr();
+
+  const auto around = aroundKill(job.metricsPath(), killedAt);
+  ASSERT_TRUE(around.resume.is_object()) << "no resume line\n" << job.allErr();
+  EXPECT_EQ(around.resume.value("source", ""), "peer copy") << job.allErr();
+  const long long resumed = around.resume["step"].get<long long>();
+  EXPECT_GE(resumed, around.doneBefore - 1) << "more than one step redone";
+  EXPECT_EQ(summary.value("world_size", 0), 4);
+  EXPECT_EQ(summary.value("steps", 0), kSteps);
+
+  // Equal to a 2-node (4-rank) run resumed from that step: 6 ranks saving every step up to it,
+  // then 4 ranks from its checkpoint.
+  const std::string ckpt = job.dir() + "/ckpt";
+  auto six = mnist({"--checkpoint_dir", ckpt, "--checkpoint_every", "1", "--keep_checkpoints", "0",
+                    "--snapshot_every", "0"},
+                   static_cast<int>(resumed));
+  six.insert(six.begin(), {kBin + "/fsdprun", "--nproc_per_node", "6"});
+  const auto first = runCommand(six, 300s, {"FSDPRUN_BACKEND=gloo", job.tag()});
+  ASSERT_EQ(first.exitCode, 0) << first.err;
+  auto four = mnist({"--checkpoint_dir", ckpt, "--snapshot_every", "0"}, kSteps);
+  four.insert(four.begin(), {kBin + "/fsdprun", "--nproc_per_node", "4"});
+  const auto second = runCommand(four, 300s, {"FSDPRUN_BACKEND=gloo", job.tag()});
+  ASSERT_EQ(second.exitCode, 0) << second.err;
+  const auto reference = summaryOf(second.out);
+  EXPECT_EQ(reference.value("resumed_from_step", -1), resumed);
+  EXPECT_EQ(summary.value("params_sha256", ""), reference.value("params_sha256", "?"))
+      << "the survivors ended elsewhere than 4 ranks resumed from step " << resumed;
+  EXPECT_EQ(job.leftovers(), std::vector<std::string>{});
+}
+
+// Must-show 2 of issue 32: 5 agents for --nnodes 4; one waits as a spare. A member is
+// SIGKILLed; the spare takes its node rank, its ranks fetch their snapshots from the node that
+// holds the peer copy, and the run ends bit-identical to 4 ranks that lost nothing.
+TEST_F(Failover, ASpareTakesTheLostNodesRanksAndTheRunEndsBitIdenticalToAnUninterruptedOne) {
+  NodeJob job("spare", {.agents = 5, .nnodes = "4", .steps = kSteps});
+  ASSERT_TRUE(job.waitForStep(kKillAfter, 300s)) << job.allErr();
+  int spare = -1;
+  for (int i = 0; i < job.agents(); ++i) {
+    if (job.err(i).find("waits as a spare") != std::string::npos) spare = i;
+  }
+  ASSERT_GE(spare, 0) << "no agent says it waits as a spare\n" << job.allErr();
+  EXPECT_TRUE(job.ranksUnder(spare).empty());
+  const int victim = job.agentOfRank(1);
+  ASSERT_GE(victim, 0);
+  const double killedAt = unixNow();
+  ASSERT_TRUE(job.kill(victim));
+  const json summary = survivorsSucceed(job, victim);
+  ASSERT_TRUE(summary.is_object() && summary.contains("params_sha256")) << job.allErr();
+  const auto around = aroundKill(job.metricsPath(), killedAt);
+  ASSERT_TRUE(around.resume.is_object()) << "no resume line\n" << job.allErr();
+  EXPECT_EQ(around.resume.value("source", ""), "peer copy") << job.allErr();
+  EXPECT_GE(around.resume["step"].get<long long>(), around.doneBefore - 1) << "more than one step redone";
+  EXPECT_EQ(summary.value("world_size", 0), 4) << "the spare keeps the job's size";
+  EXPECT_EQ(summary.value("steps", 0), kSteps);
+
+  auto whole = mnist({"--snapshot_every", "0"}, kSteps);
+  whole.insert(whole.begin(), {kBin + "/fsdprun", "--nproc_per_node", "4"});
+  const auto reference = runCommand(whole, 300s, {"FSDPRUN_BACKEND=gloo", job.tag()});
+  ASSERT_EQ(reference.exitCode, 0) << reference.err;
+  EXPECT_EQ(summary.value("params_sha256", ""), summaryOf(reference.out).value("params_sha256", "?"))
+      << "the run with a spare ended elsewhere than 4 ranks that lost nothing";
+  EXPECT_EQ(job.leftovers(), std::vector<std::string>{});
+}
+
+// A spare whose command differs from the run's is refused with one line naming both.
+TEST(Spares, ASpareRunningAnotherProgramIsRefusedNamingBoth) {
+  fsdp::testing::RdzvDaemon daemon;
+  const std::string endpoint = "127.0.0.1:" + std::to_string(daemon.port());
+  const auto agent = [&](const std::string& addr, const std::string& seconds) {
+    return std::vector<std::string>{kBin + "/fsdprun", "--nnodes", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint",
+                                    endpoint, "--rdzv_id", "spare-program-" + std::to_string(::getpid()),
+                                    "--local_addr", addr, "--rdzv_conf", "is_host=false", "/bin/sleep", seconds};
+  };
+  fsdp::testing::TempDir dir;
+  fsdp::SpawnOptions member{.argv = agent("127.0.0.2", "20"), .deathSignal = SIGKILL};
+  member.stderrPath = dir.path() + "/member.err";
+  auto first = fsdp::ChildProcess::spawn(member);
+  // The member's round forms at once (--nnodes 1); the second agent joins a full run.
+  for (int i = 0; i < 200 && fsdp::testing::processesWithEnvironment("TORCHELASTIC_RUN_ID=spare-program-" +
+                                                                     std::to_string(::getpid()))
+                                 .empty();
+       ++i) {
+    std::this_thread::sleep_for(50ms);
+  }
+  const auto r = runCommand(agent("127.0.0.3", "21"), 60s);
+  EXPECT_EQ(r.exitCode, 1) << r.err;
+  EXPECT_NE(r.err.find("runs '/bin/sleep 21' but the run runs '/bin/sleep 20': refused"), std::string::npos) << r.err;
+  ::kill(first.pid(), SIGTERM);
+  first.waitFor(20s);
+}
+
+}  // namespace
