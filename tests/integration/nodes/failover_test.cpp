@@ -2,7 +2,14 @@
 // trainer, real SIGKILLs. The agent that serves the rendezvous dies and the survivors move it to
 // its successor and go on from memory; a spare node takes a lost node's place and the run ends
 // bit-identical to one that lost nothing; a spare running another program is refused.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include <chrono>
 #include <nlohmann/json.hpp>
@@ -74,6 +81,8 @@ class Failover : public ::testing::Test {
 // restore node 0's ranks from its peer copy, and end as a 2-node run resumed from that step.
 TEST_F(Failover, KillingTheAgentThatServesTheRendezvousLeavesTheRunToTheSurvivorsFromMemory) {
   NodeJob job("host", {.agents = 3, .nnodes = "2:3", .nprocPerNode = 2, .steps = kSteps, .agentHosts = true});
+  // All three in the round (a round of two may form first, after the last call).
+  ASSERT_TRUE(job.waitForWorkers(3, 300s)) << job.allErr();
   ASSERT_TRUE(job.waitForStep(kKillAfter, 300s)) << job.allErr();
   const int host = job.agentOfRank(0);
   ASSERT_EQ(host, 0) << "agent 0 (127.0.0.2, the endpoint) should be node 0\n" << job.allErr();
@@ -110,6 +119,32 @@ TEST_F(Failover, KillingTheAgentThatServesTheRendezvousLeavesTheRunToTheSurvivor
   EXPECT_EQ(summary.value("params_sha256", ""), reference.value("params_sha256", "?"))
       << "the survivors ended elsewhere than 4 ranks resumed from step " << resumed;
   EXPECT_EQ(job.leftovers(), std::vector<std::string>{});
+}
+
+// The first successor cannot serve (something else holds the run's port on its address): it
+// says so and the next one serves; the run goes on.
+TEST_F(Failover, ASuccessorThatCannotServeIsPassedOverForTheNext) {
+  NodeJob job("busy", {.agents = 3, .nnodes = "2:3", .steps = kSteps, .agentHosts = true});
+  const int busy = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<std::uint16_t>(job.rdzvPort()));
+  ::inet_pton(AF_INET, "127.0.0.3", &addr.sin_addr);
+  ASSERT_EQ(::bind(busy, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0) << std::strerror(errno);
+  ASSERT_EQ(::listen(busy, 4), 0);
+  ASSERT_TRUE(job.waitForWorkers(3, 300s)) << job.allErr();
+  ASSERT_TRUE(job.waitForStep(8, 300s)) << job.allErr();
+  ASSERT_EQ(job.agentOfRank(0), 0) << job.allErr();
+  ASSERT_TRUE(job.kill(0));
+  const json summary = survivorsSucceed(job, 0);
+  ::close(busy);
+  ASSERT_TRUE(summary.is_object() && summary.contains("params_sha256")) << job.allErr();
+  const std::string port = std::to_string(job.rdzvPort());
+  EXPECT_NE(job.err(1).find("cannot serve the rendezvous on 127.0.0.3:" + port), std::string::npos) << job.allErr();
+  EXPECT_NE(job.err(2).find("serving the rendezvous of run"), std::string::npos) << job.allErr();
+  EXPECT_EQ(summary.value("world_size", 0), 2);
+  EXPECT_EQ(summary.value("steps", 0), kSteps);
+  EXPECT_EQ(summary.value("resumed_source", ""), "peer copy") << job.allErr();
 }
 
 // Must-show 2 of issue 32: 5 agents for --nnodes 4; one waits as a spare. A member is

@@ -117,8 +117,8 @@ class NodeJob {
   NodeJob(const std::string& what, NodeJobOptions options)
       : options_(std::move(options)), runId_(uniqueRunId(what)), tag_("FSDP_NODES_TAG=" + runId_) {
     if (!options_.agentHosts) daemon_.emplace();
-    const std::string endpoint = options_.agentHosts ? "127.0.0.2:" + std::to_string(freeLoopbackPort())
-                                                     : "127.0.0.1:" + std::to_string(daemon_->port());
+    rdzvPort_ = options_.agentHosts ? freeLoopbackPort() : daemon_->port();
+    const std::string endpoint = (options_.agentHosts ? "127.0.0.2:" : "127.0.0.1:") + std::to_string(rdzvPort_);
     std::vector<std::string> env = fsdp::currentEnvironment();
     env.push_back(tag_);
     env.push_back("TMPDIR=" + dir_.path());
@@ -161,6 +161,8 @@ class NodeJob {
   }
 
   const std::string& dir() const { return dir_.path(); }
+  // The rendezvous port (the daemon's, or the one agent 0 serves on and successors take over).
+  int rdzvPort() const { return rdzvPort_; }
   const std::string& runId() const { return runId_; }
   // "FSDP_NODES_TAG=<run id>": in the environment of every process of the job.
   const std::string& tag() const { return tag_; }
@@ -191,6 +193,19 @@ class NodeJob {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
     return lastTrainStep(metricsPath()) >= step;
+  }
+
+  // Waits (bounded) until `count` agents have workers at once: every one of them has had an
+  // assignment (a round of that many nodes formed).
+  bool waitForWorkers(int count, std::chrono::milliseconds within) const {
+    const auto deadline = std::chrono::steady_clock::now() + within;
+    for (;;) {
+      int with = 0;
+      for (int i = 0; i < options_.agents; ++i) with += ranksUnder(i).empty() ? 0 : 1;
+      if (with >= count) return true;
+      if (std::chrono::steady_clock::now() >= deadline) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
   }
 
   // The agent whose worker has `key`=`value` in its environment ("RANK", "GROUP_RANK"); -1 when
@@ -253,6 +268,7 @@ class NodeJob {
   std::string runId_;
   std::string tag_;
   std::optional<RdzvDaemon> daemon_;
+  int rdzvPort_ = 0;
   std::vector<fsdp::ChildProcess> agents_;
 };
 
