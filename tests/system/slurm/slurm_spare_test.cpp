@@ -76,7 +76,7 @@ TEST(SlurmSpareNode, KillingTheAgentOfNodeZeroLeavesTheJobToItsSuccessorAndTheSp
     if (line.rfind("{", 0) == 0 && hasLine(line, "\"params_sha256\"")) summary = nlohmann::json::parse(line);
   }
   ASSERT_TRUE(summary.contains("steps")) << "no summary line in:\n" << text;
-  std::printf("[ result   ] %s\n", summary.dump().c_str());
+  std::printf("[ result   ] job exit %d: %s\n", *rc, summary.dump().c_str());
   EXPECT_EQ(summary.value("world_size", 0), 4) << text;  // the spare kept the job's size
   EXPECT_EQ(summary.value("steps", 0), kSteps) << text;
   EXPECT_EQ(summary.value("resumed_source", ""), "peer copy") << text;
