@@ -178,11 +178,7 @@ std::vector<Event> RoundState::join(AgentId agent, JoinRequest request, Clock::t
   if (!members_.empty() && static_cast<int>(members_.size()) < params_->maxNodes) {
     events = endRunningRound(now, "node " + node + " joined");
   } else if (!members_.empty()) {
-    Event spare{agent, EventKind::kSpare, {},
-                "run at its maximum of " + std::to_string(params_->maxNodes) + " nodes: node " + node +
-                    " waits as a spare and takes the place of the next node lost"};
-    spare.assignment.successors = successors_;
-    events.push_back(std::move(spare));
+    events.push_back(spareEvent(agent, node));
   }
   auto more = tryComplete(now, false);
   events.insert(events.end(), more.begin(), more.end());
@@ -328,6 +324,14 @@ std::vector<Event> RoundState::endRunningRound(Clock::time_point now, const std:
   return events;
 }
 
+Event RoundState::spareEvent(AgentId agent, const std::string& node) const {
+  Event spare{agent, EventKind::kSpare, {},
+              "run at its maximum of " + std::to_string(params_->maxNodes) + " nodes: node " + node +
+                  " waits as a spare and takes the place of the next node lost"};
+  spare.assignment.successors = successors_;
+  return spare;
+}
+
 std::vector<Successor> RoundState::successorsOf(
     const std::vector<std::pair<AgentId, const JoinRequest*>>& ranked) const {
   std::vector<Successor> successors;
@@ -437,6 +441,8 @@ std::vector<Event> RoundState::tryComplete(Clock::time_point now, bool lastCallE
     members_.emplace(agent, Member{w->request, now});
     waiting_.erase(agent);
   }
+  // Who is left over waits as a spare, told so (with the successors, should the server go).
+  for (const auto& [agent, w] : waiting_) events.push_back(spareEvent(agent, w.request.node));
   lastCallAt_.reset();
   previous_.clear();
   return events;

@@ -213,7 +213,11 @@ TEST(Rounds, ASpareTakesTheNodeRankOfTheLostNodeAndSurvivorsKeepTheirs) {
   const auto t = Clock::now();
   for (AgentId id = 1; id <= 4; ++id) s.join(id, req(std::string(1, static_cast<char>('a' + id - 1)), 4, 4, 2), t);
   ASSERT_TRUE(s.running());
-  ASSERT_EQ(count(s.join(9, req("z-spare", 4, 4, 2), t), EventKind::kSpare), 1);
+  const auto told = s.join(9, req("z-spare", 4, 4, 2), t);
+  ASSERT_EQ(count(told, EventKind::kSpare), 1);
+  // It knows the successors (b, c, d by node rank: none serves here, so a too).
+  ASSERT_EQ(told[0].assignment.successors.size(), 4u);
+  EXPECT_EQ(told[0].assignment.successors[1].node, "b");
   // b (node rank 1) is lost; the survivors come back with what they were.
   s.leave(2, "connection closed", t + 1s);
   s.join(1, back(req("a", 4, 4, 2), 0, 0), t + 1s);
@@ -226,6 +230,32 @@ TEST(Rounds, ASpareTakesTheNodeRankOfTheLostNodeAndSurvivorsKeepTheirs) {
   EXPECT_EQ(a.at(3).nodeRank, 2);
   EXPECT_EQ(a.at(4).nodeRank, 3);
   EXPECT_EQ(a.at(4).worldSize, 8);
+}
+
+// Joiners left over when a round forms at max_nodes are told they wait as spares.
+TEST(Rounds, JoinersLeftOverWhenARoundFormsAreToldTheyAreSpares) {
+  RoundState s;
+  const auto t = Clock::now();
+  s.join(1, req("a", 2, 3), t);
+  s.join(2, req("b", 2, 3), t);
+  s.join(3, req("c", 2, 3), t);  // max: the round forms
+  ASSERT_TRUE(s.running());
+  // A fourth one during the round is a spare at once; the wire keeps its successors.
+  const auto events = s.join(4, req("d", 2, 3), t);
+  ASSERT_EQ(count(events, EventKind::kSpare), 1);
+  Event decoded{4, EventKind::kSpare};
+  decodeEventPayload(encodeEventPayload(events[0]), decoded);
+  ASSERT_EQ(decoded.assignment.successors.size(), 3u);
+  EXPECT_EQ(decoded.assignment.successors[2].address, "c.addr");
+  // Two more at once when none runs: the round of three forms, the fourth is told.
+  RoundState u;
+  u.join(1, req("a", 3, 3), t);
+  u.join(2, req("b", 3, 3), t);
+  u.leave(2, "gone", t);
+  u.join(5, req("e", 3, 3), t);
+  const auto formed = u.join(6, req("f", 3, 3), t);
+  EXPECT_EQ(assigned(formed).size(), 3u);
+  EXPECT_EQ(count(u.join(7, req("g", 3, 3), t), EventKind::kSpare), 1);
 }
 
 // Without a spare the survivors close ranks in their old order.

@@ -154,6 +154,7 @@ class RoundState {
   };
   std::vector<Event> endRunningRound(Clock::time_point now, const std::string& reason,
                                      const std::string& failure = "");
+  Event spareEvent(AgentId agent, const std::string& node) const;
   std::vector<Successor> successorsOf(const std::vector<std::pair<AgentId, const JoinRequest*>>& ranked) const;
   std::vector<Event> finish(EventKind kind, const std::string& reason, const std::string& failure);
   std::vector<Event> tryComplete(Clock::time_point now, bool lastCallExpired);
