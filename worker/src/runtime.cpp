@@ -3,6 +3,7 @@
 #include "comm/recorded_communicator.hpp"
 
 #include <ATen/Context.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -193,6 +194,11 @@ std::unique_ptr<Runtime> init(const InitOptions& options) {
   // The agent's flight recorder, before anything else opens descriptors (a program that closed
   // it gets none, never someone else's descriptor).
   detail::FlightRecorder::process();
+  // A write to a peer that died (a lost node's Gloo pair, its snapshot keeper) fails with EPIPE
+  // and is reported as an error, instead of killing this worker by SIGPIPE, as under Python
+  // (which ignores it too). A handler the program installed stays.
+  struct sigaction pipe {};
+  if (::sigaction(SIGPIPE, nullptr, &pipe) == 0 && pipe.sa_handler == SIG_DFL) ::signal(SIGPIPE, SIG_IGN);
   awaitActivation();
   WorkerEnv env = WorkerEnv::fromEnvironment(processEnv());
   log::setup({.role = "worker", .rank = env.rank, .defaultLevel = spdlog::level::warn});
