@@ -6,7 +6,10 @@
 // from its in-memory snapshots (this node's, or the peer copy of a lost node's); the peer,
 // torchrun + DDP on Gloo (bench/peer/recovery_torch.py), from the newest torch.save
 // checkpoint. Also the per-step cost of the snapshots: the same job without a kill,
-// --snapshot_every 1 vs 0, in the same invocation.
+// --snapshot_every 1 vs 0, in the same invocation. And jobs of more nodes (agents of one
+// worker on 127.0.0.2, .3, ...): the agent that serves the rendezvous lost (its successor takes
+// the rendezvous over), a node lost with a spare agent waiting (the world keeps its size), a
+// node of four lost without one (three go on).
 #include <unistd.h>
 
 #include <algorithm>
@@ -96,6 +99,36 @@ void killFigures(const Observed& seen, nlohmann::json& line) {
   }
 }
 
+// Fills what a job of more than two nodes shows besides the kill figures: the world size rank 0
+// reported at the end, the launcher killed, the last step in the metrics file (the new rank 0
+// appends to it). A world size other than expected, or (agentHosts) a kill of another agent than
+// the rendezvous host, is an error of the line.
+void nodeFigures(bool agentHosts, int worldAfter, Observed& seen, nlohmann::json& line) {
+  if (seen.killedLauncher) line["killed_launcher"] = *seen.killedLauncher;
+  long long last = 0;
+  for (const auto& l : seen.lines) {
+    if (l.value("type", "") == "train") last = std::max(last, l.value("step", 0LL));
+  }
+  line["metrics_last_step"] = last;
+  if (seen.summary.contains("world_size")) {
+    line["world_size_after"] = seen.summary["world_size"];
+    if (seen.summary.contains("resumed_source")) {
+      line["resumed_source"] = seen.summary["resumed_source"];
+    }
+  }
+  if (!seen.error.empty() || !seen.killUnixTime) return;
+  if (!seen.summary.contains("world_size")) {
+    seen.error = "no launcher printed rank 0's summary line";
+  } else if (seen.summary["world_size"] != worldAfter) {
+    seen.error = "world size " + seen.summary["world_size"].dump() +
+                 " after the resume, expected " + std::to_string(worldAfter);
+  } else if (agentHosts && seen.killedLauncher != 0u) {
+    seen.error = "the agent of RANK=0 was launcher " +
+                 (seen.killedLauncher ? std::to_string(*seen.killedLauncher) : "none") +
+                 ", not the rendezvous host (launcher 0)";
+  }
+}
+
 // ---- the two systems -----------------------------------------------------------------------
 
 struct Config {
@@ -132,9 +165,25 @@ std::string newRunId() {
   return "recovery-" + std::to_string(::getpid()) + "-" + std::to_string(ns);
 }
 
+// Detection of a lost node within seconds in the jobs of more than two nodes (as the node-loss
+// tests have it), rather than the 5 s heartbeat timeout of the default.
+const std::string kQuickRdzv = "heartbeat_interval=0.2,heartbeat_timeout=2,last_call_timeout=1";
+
 struct Layout {
-  std::string name;  // "2x1": one agent of 2 workers; "1x2 agents": 2 agents of 1
+  std::string name;  // "2x1": one agent of 2 workers; "1x2 agents": 2 agents of 1; ...
   int agents;
+  int workersPerAgent;
+  std::string nnodes = "";    // of a multi-agent job: N or MIN:MAX
+  std::string rdzvConf = "";  // --rdzv_conf besides is_host
+  bool agentHosts = false;    // agent 0 serves the rendezvous (is_host=true), no fsdprun-rdzv
+  // Ranks of the first round: at most MAX nodes hold workers (the others wait as spares).
+  int worldSize() const {
+    const auto colon = nnodes.find(':');
+    const int maxNodes = nnodes.empty()               ? agents
+                         : colon == std::string::npos ? std::stoi(nnodes)
+                                                      : std::stoi(nnodes.substr(colon + 1));
+    return std::min(agents, maxNodes) * workersPerAgent;
+  }
 };
 
 // fsdprun, one job: the metrics lines and when the kill was.
@@ -145,31 +194,51 @@ Observed runOurs(const std::string& model, const Config& c, const Layout& layout
   launch.env = jobEnvironment(launch.runId);
   const auto worker = trainer(model, c, launch.metricsFile, snapshotEvery);
   const std::string fsdprun = binDir() + "/fsdprun";
-  const auto limit = std::chrono::seconds(120 + 4 * c.steps);
+  // More processes than cores from three agents on: their steps are slower.
+  const auto limit = std::chrono::seconds(120 + 2 * c.steps * std::max(2, layout.agents));
+  // A job that failed, or did not resume after its kill, leaves its folder to be read.
+  const auto run = [&] {
+    Observed seen = runJob(launch, dir, kill, at, limit);
+    const double killTime = seen.killUnixTime.value_or(0);
+    const bool resumed = std::any_of(seen.lines.begin(), seen.lines.end(), [&](const auto& l) {
+      return l.value("type", "") == "resume" && l.value("unix_time", 0.0) > killTime;
+    });
+    if (!seen.finished || (seen.killUnixTime && !resumed)) {
+      dir.keep();
+      seen.logDir = dir.path();
+    }
+    return seen;
+  };
   std::vector<std::string> common = {"--max_restarts", std::to_string(kMaxRestarts), "--rdzv_id",
                                      launch.runId};
   if (c.standby) common.push_back("--standby");
   if (layout.agents == 1) {
-    std::vector<std::string> argv = {fsdprun, "--standalone", "--nproc_per_node", "2"};
+    std::vector<std::string> argv = {fsdprun, "--standalone", "--nproc_per_node",
+                                     std::to_string(layout.workersPerAgent)};
     argv.insert(argv.end(), common.begin(), common.end());
     argv.insert(argv.end(), worker.begin(), worker.end());
     launch.agents.push_back(argv);
-    return runJob(launch, dir, kill, at, limit);
+    return run();
   }
-  RdzvServer server(dir.path() + "/rdzv.err");
-  const std::string endpoint = "127.0.0.1:" + std::to_string(server.port());
+  // The endpoint: agent 0's address when it serves the rendezvous, else a daemon's, outside
+  // every agent.
+  std::optional<RdzvServer> server;
+  if (!layout.agentHosts) server.emplace(dir.path() + "/rdzv.err");
+  const std::string endpoint = layout.agentHosts ? "127.0.0.2:" + std::to_string(freePort())
+                                                 : "127.0.0.1:" + std::to_string(server->port());
+  const std::string conf = layout.rdzvConf.empty() ? "" : "," + layout.rdzvConf;
   for (int a = 0; a < layout.agents; ++a) {
-    // An agent kill leaves one node: the job goes on elastic, --nnodes 1:2.
-    std::vector<std::string> argv = {fsdprun, "--nnodes", kill == Kill::kAgent ? "1:2" : "2",
-                                     "--nproc_per_node", "1"};
+    const bool host = layout.agentHosts && a == 0;
+    std::vector<std::string> argv = {fsdprun, "--nnodes", layout.nnodes, "--nproc_per_node",
+                                     std::to_string(layout.workersPerAgent)};
     argv.insert(argv.end(), {"--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--rdzv_conf",
-                             "is_host=false"});
+                             (host ? "is_host=true" : "is_host=false") + conf});
     argv.insert(argv.end(), {"--local_addr", "127.0.0." + std::to_string(a + 2)});
     argv.insert(argv.end(), common.begin(), common.end());
     argv.insert(argv.end(), worker.begin(), worker.end());
     launch.agents.push_back(argv);
   }
-  return runJob(launch, dir, kill, at, limit);
+  return run();
 }
 
 // torchrun (1 node, 2 workers, --max_restarts 3) running recovery_torch.py.
@@ -231,12 +300,16 @@ void recovery(const Args& args) {
     if (m != "deep" && m != "gpt")
       throw ConfigError("--models '" + args.str("models", "") + "': expected deep and/or gpt");
   }
+  // host, spare and shrink4 (3 to 5 agents, 1 worker each) only when named: on 2 cores each
+  // costs minutes.
   const auto cases = splitList(args.str("cases", "worker,agents_worker,agent,overhead"));
-  const std::set<std::string> known = {"worker", "agents_worker", "agent", "overhead"};
+  const std::set<std::string> known = {"worker", "agents_worker", "agent", "overhead",
+                                       "host",   "spare",         "shrink4"};
   for (const auto& k : cases) {
     if (!known.contains(k)) {
       throw ConfigError("--cases '" + args.str("cases", "") +
-                        "': expected worker, agents_worker, agent and/or overhead");
+                        "': expected worker, agents_worker, agent, overhead, host, spare and/or "
+                        "shrink4");
     }
   }
   const auto torchrunFlag = args.str("torchrun", "1");
@@ -279,6 +352,7 @@ void recovery(const Args& args) {
         line["finished"] = seen.finished;
         line["loadavg_1m_before"] = seen.loadBefore;
         if (!seen.error.empty()) line["error"] = seen.error;
+        if (!seen.logDir.empty()) line["log_dir"] = seen.logDir;
         emit(line);
         return line;
       };
@@ -291,21 +365,40 @@ void recovery(const Args& args) {
         const char* name;
         Layout layout;
         Kill kill;
-      } kills[] = {{"worker", {"2x1", 1}, Kill::kWorker},
-                   {"agents_worker", {"1x2 agents", 2}, Kill::kWorker},
-                   {"agent", {"1x2 agents", 2}, Kill::kAgent}};
+        int rank;        // whose worker, or its agent, is killed
+        int worldAfter;  // ranks after the resume
+      } kills[] = {
+          {"worker", {"2x1", 1, 2}, Kill::kWorker, 1, 2},
+          {"agents_worker", {"1x2 agents", 2, 1, "2"}, Kill::kWorker, 1, 2},
+          // An agent kill leaves one node: the job goes on elastic, --nnodes 1:2.
+          {"agent", {"1x2 agents", 2, 1, "1:2"}, Kill::kAgent, 1, 1},
+          // Agent 0 (127.0.0.2, node rank 0: RANK=0) serves the rendezvous; its successor takes
+          // it over and the new rank 0 appends to the same metrics file.
+          {"host", {"3x1 agents, agent 0 hosts", 3, 1, "2:3", kQuickRdzv, true}, Kill::kAgent, 0,
+           2},
+          // One of the five waits as a spare and takes the lost node's rank.
+          {"spare", {"5x1 agents, 1 spare", 5, 1, "4", kQuickRdzv}, Kill::kAgent, 1, 4},
+          {"shrink4", {"4x1 agents", 4, 1, "3:4", kQuickRdzv}, Kill::kAgent, 1, 3}};
       for (const auto& k : kills) {
         if (!has(k.name)) continue;
-        const KillAt at{target, drawFraction()};
+        const KillAt at{target, drawFraction(), k.rank};
         nlohmann::json line = modelBase;
         line.update({{"system", "fsdprun"},
                      {"layout", k.layout.name},
                      {"agents", k.layout.agents},
-                     {"workers_per_agent", 2 / k.layout.agents},
+                     {"workers_per_agent", k.layout.workersPerAgent},
                      {"kill", k.kill == Kill::kAgent ? "agent" : "worker"},
                      {"snapshot_every", 1},
                      {"standby", c.standby}});
-        const auto seen = attempt([&] { return runOurs(model, c, k.layout, k.kill, 1, at); });
+        if (k.layout.agents > 2) {
+          line.update({{"case", k.name},
+                       {"nnodes", k.layout.nnodes},
+                       {"rdzv", k.layout.agentHosts ? "agent 0 (is_host=true)" : "fsdprun-rdzv"},
+                       {"kill_rank", k.rank},
+                       {"world_size_before", k.layout.worldSize()}});
+        }
+        auto seen = attempt([&] { return runOurs(model, c, k.layout, k.kill, 1, at); });
+        if (k.layout.agents > 2) nodeFigures(k.layout.agentHosts, k.worldAfter, seen, line);
         line = report(line, seen, at);
         if (std::string(k.name) == "worker") oursWorker = line;
       }
@@ -318,7 +411,7 @@ void recovery(const Args& args) {
         double load = 0;
         for (const int every : rep % 2 == 0 ? std::vector<int>{0, 1} : std::vector<int>{1, 0}) {
           const auto seen = attempt([&] {
-            return runOurs(model, shorter, {"2x1", 1}, Kill::kNone, every, {});
+            return runOurs(model, shorter, {"2x1", 1, 2}, Kill::kNone, every, {});
           });
           load = std::max(load, seen.loadBefore);
           if (!seen.finished) {

@@ -44,6 +44,7 @@ RunDir::RunDir() {
 }
 
 RunDir::~RunDir() {
+  if (keep_) return;
   std::error_code ec;
   fs::remove_all(path_, ec);
 }
@@ -86,6 +87,18 @@ std::string tail(const std::string& path, std::size_t bytes) {
   text << in.rdbuf();
   const std::string all = text.str();
   return all.substr(all.size() > bytes ? all.size() - bytes : 0);
+}
+
+// The last line of a file that parses as a JSON object; null when none does.
+nlohmann::json lastJsonObject(const std::string& path) {
+  std::ifstream in(path);
+  nlohmann::json last;
+  for (std::string line; std::getline(in, line);) {
+    if (!line.starts_with("{\"")) continue;
+    auto parsed = nlohmann::json::parse(line, nullptr, false);
+    if (parsed.is_object()) last = std::move(parsed);
+  }
+  return last;
 }
 
 // ---- processes of one run, found through /proc ---------------------------------------------
@@ -263,7 +276,6 @@ Observed runJob(const Launch& launch, const RunDir& dir, Kill kill, KillAt at,
     roots.insert(launchers.back().pid());
   }
   const auto deadline = Clock::now() + limit;
-  std::optional<std::size_t> killedAgent;  // index in launchers
   bool killed = kill == Kill::kNone;
   const auto running = [&] {
     return std::any_of(launchers.begin(), launchers.end(),
@@ -274,9 +286,11 @@ Observed runJob(const Launch& launch, const RunDir& dir, Kill kill, KillAt at,
     if (killed || metrics.lastTrainStep() < at.afterStep) continue;
     std::this_thread::sleep_for(
         std::chrono::duration<double, std::milli>(at.fractionOfStep * metrics.medianStepMs()));
-    const auto target = findProcess({"TORCHELASTIC_RUN_ID=" + launch.runId, "RANK=1", "TORCHELASTIC_RESTART_COUNT=0"}, roots);
+    const std::string rank = "RANK=" + std::to_string(at.rank);
+    const auto target = findProcess(
+        {"TORCHELASTIC_RUN_ID=" + launch.runId, rank, "TORCHELASTIC_RESTART_COUNT=0"}, roots);
     if (!target) {
-      seen.error = "no process with RANK=1 of run " + launch.runId +
+      seen.error = "no process with " + rank + " of run " + launch.runId +
                    " under the launchers at step " + std::to_string(metrics.lastTrainStep());
       break;
     }
@@ -287,7 +301,7 @@ Observed runJob(const Launch& launch, const RunDir& dir, Kill kill, KillAt at,
     } else {
       ::kill(agent, SIGKILL);
       for (std::size_t i = 0; i < launchers.size(); ++i) {
-        if (launchers[i].pid() == agent) killedAgent = i;
+        if (launchers[i].pid() == agent) seen.killedLauncher = i;
       }
       // A lost node loses its worker too: the agent's death signal (PR_SET_PDEATHSIG) ends it.
       if (!exitsWithin(worker, 3s)) {
@@ -301,14 +315,16 @@ Observed runJob(const Launch& launch, const RunDir& dir, Kill kill, KillAt at,
   seen.lines = metrics.lines();
   if (running()) {
     if (seen.error.empty()) {
+      const std::string survivor = seen.killedLauncher == 0u ? "1" : "0";
       seen.error = "the job did not end within " + std::to_string(limit.count()) +
-                   " s (last step " + std::to_string(metrics.lastTrainStep()) +
-                   "); launcher 0's log ends: " + tail(dir.path() + "/launcher0.err", 400);
+                   " s (last step " + std::to_string(metrics.lastTrainStep()) + "); launcher " +
+                   survivor + "'s log ends: " +
+                   tail(dir.path() + "/launcher" + survivor + ".err", 400);
     }
   } else if (seen.error.empty()) {
     seen.finished = true;
     for (std::size_t i = 0; i < launchers.size(); ++i) {
-      if (killedAgent && *killedAgent == i) continue;
+      if (seen.killedLauncher == i) continue;
       const int status = *launchers[i].status();
       if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
         seen.finished = false;
@@ -316,6 +332,11 @@ Observed runJob(const Launch& launch, const RunDir& dir, Kill kill, KillAt at,
                      ": " + tail(dir.path() + "/launcher" + std::to_string(i) + ".err", 400);
       }
     }
+  }
+  for (std::size_t i = 0; i < launchers.size(); ++i) {
+    if (seen.killedLauncher == i) continue;
+    const auto summary = lastJsonObject(dir.path() + "/launcher" + std::to_string(i) + ".out");
+    if (summary.is_object()) seen.summary = summary;
   }
   // What the launchers left (a torchrun worker outlives its SIGKILLed launcher): every process
   // with this run's tag in its environment, which only processes this bench started carry.

@@ -1,5 +1,5 @@
 #pragma once
-// One job of `fsdp-bench recovery`: its launchers started, rank 1's worker (or its agent)
+// One job of `fsdp-bench recovery`: its launchers started, one rank's worker (or its agent)
 // SIGKILLed by pid at a chosen moment while rank 0's metrics file is read as it grows, and
 // every process of the job gone afterwards.
 
@@ -23,7 +23,7 @@ std::string binDir();
 // which runJob finds what a job left behind.
 std::vector<std::string> jobEnvironment(const std::string& runId);
 
-// A private scratch directory, removed with what is in it.
+// A private scratch directory, removed with what is in it unless keep() was called.
 class RunDir {
  public:
   RunDir();
@@ -31,13 +31,16 @@ class RunDir {
   RunDir(const RunDir&) = delete;
   RunDir& operator=(const RunDir&) = delete;
   const std::string& path() const { return path_; }
+  void keep() { keep_ = true; }
 
  private:
   std::string path_;
+  bool keep_ = false;
 };
 
 // fsdprun-rdzv on a free loopback port, stopped with SIGTERM by the destructor: the endpoint
-// of the 2-agent jobs, outside every agent, so that killing an agent leaves it serving.
+// of the multi-agent jobs (unless an agent serves it), outside every agent, so that killing an
+// agent leaves it serving.
 // Throws Error when it does not report its port within 10 s.
 class RdzvServer {
  public:
@@ -59,7 +62,9 @@ struct Launch {
   std::vector<std::vector<std::string>> agents;  // one argv per launcher
   std::vector<std::string> env;                  // of every launcher (their workers inherit it)
   std::string runId;                             // the --rdzv_id given to the launchers
-  std::string metricsFile;                       // rank 0's, in a folder of its own
+  std::string metricsFile;                       // rank 0's, in a folder of its own (the same
+                                                 // path on every launcher: whichever holds rank 0
+                                                 // after a restart appends to it)
 };
 
 // What one job did.
@@ -70,20 +75,28 @@ struct Observed {
   bool workerDiedWithAgent = true;     // false: alive 3 s after its agent's SIGKILL (then killed)
   bool finished = false;               // every launcher not killed exited 0
   std::string error;                   // why not, or what went wrong on the way
+  std::string logDir;                  // the launchers' output, where it was kept
+  // After an agent kill: the index of the launcher killed in Launch::agents.
+  std::optional<std::size_t> killedLauncher;
+  // The last JSON object a launcher not killed printed on stdout: the summary of the final rank 0
+  // ({"world_size": ...}); null when none did.
+  nlohmann::json summary;
 };
 
 // When to kill: once rank 0 has completed `afterStep` steps, `fractionOfStep` of its median
-// step time later (a random moment of the next step).
+// step time later (a random moment of the next step); whom: the worker of RANK=`rank` of the
+// first attempt, or its launcher.
 struct KillAt {
   long long afterStep = 0;
   double fractionOfStep = 0;
+  int rank = 1;
 };
 
 // Starts the launchers (each with `launch.env`, output in `dir`), waits for the moment `at`,
-// SIGKILLs the process with RANK=1 and TORCHELASTIC_RUN_ID=launch.runId under them (kWorker)
-// or the launcher it runs under (kAgent), and waits for the job to end, at most `limit`. Then
-// kills whatever carries FSDP_BENCH_RECOVERY_RUN=launch.runId in its environment: the caller
-// puts it in `launch.env`. Failures are reported in Observed::error, not thrown.
+// SIGKILLs the process with RANK=at.rank and TORCHELASTIC_RUN_ID=launch.runId under them
+// (kWorker) or the launcher it runs under (kAgent), and waits for the job to end, at most
+// `limit`. Then kills whatever carries FSDP_BENCH_RECOVERY_RUN=launch.runId in its environment:
+// the caller puts it in `launch.env`. Failures are reported in Observed::error, not thrown.
 Observed runJob(const Launch& launch, const RunDir& dir, Kill kill, KillAt at,
                 std::chrono::seconds limit);
 
