@@ -260,15 +260,17 @@ std::vector<Event> RoundState::finish(EventKind kind, const std::string& reason,
 std::vector<Event> RoundState::tick(Clock::time_point now) {
   std::vector<Event> events;
   // Silent members: the server must drop their connections; that ends the round.
-  std::vector<AgentId> silent;
+  // (The first one's leave ends the round: the others are no longer members by then, and their
+  // leave only drops them from the next round's expected nodes.)
+  std::vector<std::pair<AgentId, std::string>> silent;
   for (const auto& [agent, m] : members_) {
-    if (now - m.lastSeen >= m.request.heartbeatTimeout) silent.push_back(agent);
+    if (now - m.lastSeen >= m.request.heartbeatTimeout) {
+      silent.emplace_back(agent, "no heartbeat for " + std::to_string(m.request.heartbeatTimeout.count()) + " ms");
+    }
   }
-  for (const AgentId agent : silent) {
-    const auto timeout = members_.at(agent).request.heartbeatTimeout;
-    events.push_back({agent, EventKind::kDisconnect, {},
-                      "no heartbeat for " + std::to_string(timeout.count()) + " ms"});
-    auto more = leave(agent, "no heartbeat for " + std::to_string(timeout.count()) + " ms", now);
+  for (const auto& [agent, why] : silent) {
+    events.push_back({agent, EventKind::kDisconnect, {}, why});
+    auto more = leave(agent, why, now);
     events.insert(events.end(), more.begin(), more.end());
   }
   // Joiners that waited too long for a round (spares wait while one runs).

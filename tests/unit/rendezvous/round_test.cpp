@@ -258,6 +258,27 @@ TEST(Rounds, JoinersLeftOverWhenARoundFormsAreToldTheyAreSpares) {
   EXPECT_EQ(count(u.join(7, req("g", 3, 3), t), EventKind::kSpare), 1);
 }
 
+// Two members silent in the same tick (a partition cut them off together): both are dropped,
+// the survivor is told once, and the timer goes on (it threw map::at here once).
+TEST(Rounds, TwoMembersSilentInOneTickAreBothDroppedAndTheSurvivorIsTold) {
+  RoundState s;
+  const auto t = Clock::now();
+  for (AgentId id = 1; id <= 3; ++id) s.join(id, req(std::string(1, static_cast<char>('a' + id - 1)), 1, 3), t);
+  ASSERT_TRUE(s.running());
+  s.heartbeat(1, t + 1900ms);
+  std::vector<Event> events;
+  ASSERT_NO_THROW(events = s.tick(t + 2s));
+  EXPECT_EQ(count(events, EventKind::kDisconnect), 2);
+  const auto toSurvivor = std::count_if(events.begin(), events.end(), [](const Event& e) {
+    return e.kind == EventKind::kRoundEnded && e.agent == 1u;
+  });
+  EXPECT_EQ(toSurvivor, 1);
+  // The survivor alone forms the next round at once (min 1): nobody else is expected back.
+  const auto a = assigned(s.join(1, back(req("a", 1, 3), 0, 0), t + 2s));
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_EQ(a.at(1).nnodes, 1);
+}
+
 // Without a spare the survivors close ranks in their old order.
 TEST(Rounds, WithoutASpareTheSurvivorsCloseRanksInTheirOldOrder) {
   RoundState s;
