@@ -1,5 +1,7 @@
 #include "fsdp/rendezvous/store_client.hpp"
 
+#include <sys/socket.h>
+
 #include <algorithm>
 #include <limits>
 
@@ -35,6 +37,8 @@ Response StoreClient::call(Request request, std::chrono::milliseconds waitTimeou
   std::scoped_lock lock(mutex_);
   return connection_->call(request, deadline);
 }
+
+void StoreClient::interrupt() { ::shutdown(connection_->fd(), SHUT_RDWR); }
 
 void StoreClient::set(const std::string& key, const std::string& value) {
   call({.op = Op::kSet, .keys = {key}, .value = value}, std::chrono::milliseconds(0));

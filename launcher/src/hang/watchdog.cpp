@@ -45,7 +45,6 @@ HangWatchdog::HangWatchdog(WatchdogOptions options, std::vector<WatchedWorker> w
     : options_(std::move(options)), workers_(std::move(workers)) {
   const rendezvous::ClientOptions client{.connectTimeout = 5s, .runId = options_.runId, .token = options_.token};
   store_ = rendezvous::StoreClient::connect(options_.storeHost, static_cast<std::uint16_t>(options_.storePort), client);
-  control_ = rendezvous::StoreClient::connect(options_.storeHost, static_cast<std::uint16_t>(options_.storePort), client);
   if (::pipe2(notify_, O_CLOEXEC | O_NONBLOCK) != 0) throwErrno("pipe2 for the hang watchdog", errno);
   thread_ = std::thread([this] { run(); });
 }
@@ -58,11 +57,9 @@ HangWatchdog::~HangWatchdog() {
 
 void HangWatchdog::requestStop() {
   if (stopping_.exchange(true)) return;
-  try {
-    control_->set(key("stop/" + std::to_string(options_.nodeRank)), "1");
-  } catch (const Error& e) {
-    log::debug("hang watchdog: cannot wake its thread through the store ({}); it ends at its next check", e.what());
-  }
+  // Whatever the thread waits on in the store fails at once (and quietly: it is stopping). No
+  // request of our own: a server that went silent would keep the agent waiting on it.
+  store_->interrupt();
 }
 
 std::string HangWatchdog::key(const std::string& what) const {
@@ -102,7 +99,6 @@ std::optional<std::pair<std::int64_t, std::chrono::milliseconds>> HangWatchdog::
 
 void HangWatchdog::run() {
   const std::string declared = key("declared");
-  const std::string stop = key("stop/" + std::to_string(options_.nodeRank));
   try {
     std::uint64_t seen = store_->revision();
     std::string by;
@@ -133,10 +129,10 @@ void HangWatchdog::run() {
       }
       const auto interval = std::clamp<std::chrono::milliseconds>(
           (options_.timeout.value_or(timeout.count() > 0 ? timeout : 5000ms)) / 5, 100ms, 1000ms);
-      const auto change = store_->waitForChange({declared, stop}, seen, interval);
+      const auto change = store_->waitForChange({declared}, seen, interval);
       if (!change) continue;
       seen = change->revision;
-      if (change->key == stop || stopping_.load()) return;
+      if (stopping_.load()) return;
       if (change->value) by = *change->value;
     }
     HangReport report = collect(by, quietNs, timeout);

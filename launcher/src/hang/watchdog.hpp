@@ -88,7 +88,6 @@ class HangWatchdog {
   WatchdogOptions options_;
   std::vector<WatchedWorker> workers_;
   std::unique_ptr<rendezvous::StoreClient> store_;    // the thread's
-  std::unique_ptr<rendezvous::StoreClient> control_;  // the destructor's (stop key)
   int notify_[2] = {-1, -1};
   std::mutex mutex_;
   std::optional<HangReport> report_;

@@ -94,6 +94,9 @@ class StoreClient {
 
   // "host:port", for messages.
   const std::string& endpoint() const { return endpoint_; }
+  // Shuts the connection down: a call blocked in another thread fails at once, and every later
+  // call fails. Thread-safe (it takes no lock).
+  void interrupt();
   std::chrono::milliseconds defaultTimeout() const { return options_.timeout; }
 
  private:
