@@ -225,6 +225,7 @@ bool Agent::failover() {
                 lostServer);
     }
     std::string error;
+    const auto tried = Clock::now();
     if (tryConnect(Deadline::after(server_ ? std::chrono::milliseconds(10s) : turn), error)) {
       log::warn("run '{}' goes on with the rendezvous at {}:{} (node {})", options_.rdzvId, s.address, port, s.node);
       lost_.reset();
@@ -233,7 +234,8 @@ bool Agent::failover() {
       return true;
     }
     server_.reset();
-    log::warn("successor {} ({}:{}) does not answer ({}): trying the next", s.node, s.address, port, error);
+    log::warn("successor {} ({}:{}) did not answer in {} ms (last error: {}): trying the next", s.node, s.address, port,
+              elapsedMs(tried), error);
   }
   return false;
 }
