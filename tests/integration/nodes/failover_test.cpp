@@ -23,6 +23,7 @@ namespace {
 
 using fsdp::testing::runCommand;
 using fsdp::testing::summaryOf;
+using fsdp::testing::nodes::aroundKill;
 using fsdp::testing::nodes::kBin;
 using fsdp::testing::nodes::metricsLines;
 using fsdp::testing::nodes::mnist;
@@ -35,23 +36,6 @@ constexpr long long kKillAfter = 12;
 
 double unixNow() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
-
-// What the job did around a kill at `killedAt`: the newest step done before it, the resume line.
-struct AroundKill {
-  long long doneBefore = -1;
-  json resume;
-};
-
-AroundKill aroundKill(const std::string& metrics, double killedAt) {
-  AroundKill r;
-  for (const auto& line : metricsLines(metrics)) {
-    if (line.value("type", "") == "train" && line.value("unix_time", 0.0) < killedAt && r.resume.is_null()) {
-      r.doneBefore = std::max(r.doneBefore, line["step"].get<long long>());
-    }
-    if (line.value("type", "") == "resume") r.resume = line;
-  }
-  return r;
 }
 
 // Waits for every agent but `victim` to exit 0; the summary line of the one that printed it.
@@ -103,18 +87,10 @@ TEST_F(Failover, KillingTheAgentThatServesTheRendezvousLeavesTheRunToTheSurvivor
 
   // Equal to a 2-node (4-rank) run resumed from that step: 6 ranks saving every step up to it,
   // then 4 ranks from its checkpoint.
-  const std::string ckpt = job.dir() + "/ckpt";
-  auto six = mnist({"--checkpoint_dir", ckpt, "--checkpoint_every", "1", "--keep_checkpoints", "0",
-                    "--snapshot_every", "0"},
-                   static_cast<int>(resumed));
-  six.insert(six.begin(), {kBin + "/fsdprun", "--nproc_per_node", "6"});
-  const auto first = runCommand(six, 300s, {"FSDPRUN_BACKEND=gloo", job.tag()});
-  ASSERT_EQ(first.exitCode, 0) << first.err;
-  auto four = mnist({"--checkpoint_dir", ckpt, "--snapshot_every", "0"}, kSteps);
-  four.insert(four.begin(), {kBin + "/fsdprun", "--nproc_per_node", "4"});
-  const auto second = runCommand(four, 300s, {"FSDPRUN_BACKEND=gloo", job.tag()});
-  ASSERT_EQ(second.exitCode, 0) << second.err;
-  const auto reference = summaryOf(second.out);
+  std::string error;
+  const auto reference = summaryOf(
+      fsdp::testing::nodes::resumedReference(job.dir() + "/ckpt", 6, 4, resumed, kSteps, job.tag(), error));
+  ASSERT_TRUE(error.empty()) << error;
   EXPECT_EQ(reference.value("resumed_from_step", -1), resumed);
   EXPECT_EQ(summary.value("params_sha256", ""), reference.value("params_sha256", "?"))
       << "the survivors ended elsewhere than 4 ranks resumed from step " << resumed;

@@ -272,4 +272,46 @@ class NodeJob {
   std::vector<fsdp::ChildProcess> agents_;
 };
 
+// What a job's metrics file shows around a kill at `killedAt` (unix time): the newest step
+// trained before it, and the resume line after it (null when none).
+struct AroundKill {
+  long long doneBefore = -1;
+  nlohmann::json resume;
+};
+
+inline AroundKill aroundKill(const std::string& metricsPath, double killedAt) {
+  AroundKill r;
+  for (const auto& line : metricsLines(metricsPath)) {
+    if (line.value("type", "") == "train" && line.value("unix_time", 0.0) < killedAt && r.resume.is_null()) {
+      r.doneBefore = std::max(r.doneBefore, line["step"].get<long long>());
+    }
+    if (line.value("type", "") == "resume") r.resume = line;
+  }
+  return r;
+}
+
+// The reference for a run that lost ranks at `step`: `before` ranks (one agent, Gloo) that save
+// every step up to it into `checkpointDir`, then `after` ranks resumed from it to `steps`.
+// Returns the second run's stdout; "" with `error` set when either run failed.
+inline std::string resumedReference(const std::string& checkpointDir, int before, int after, long long step, int steps,
+                                    const std::string& tag, std::string& error) {
+  auto first = mnist({"--checkpoint_dir", checkpointDir, "--checkpoint_every", "1", "--keep_checkpoints", "0",
+                      "--snapshot_every", "0"},
+                     static_cast<int>(step));
+  first.insert(first.begin(), {kBin + "/fsdprun", "--nproc_per_node", std::to_string(before)});
+  const auto r1 = runCommand(first, std::chrono::seconds(300), {"FSDPRUN_BACKEND=gloo", tag});
+  if (r1.exitCode != 0) {
+    error = r1.err;
+    return "";
+  }
+  auto second = mnist({"--checkpoint_dir", checkpointDir, "--snapshot_every", "0"}, steps);
+  second.insert(second.begin(), {kBin + "/fsdprun", "--nproc_per_node", std::to_string(after)});
+  const auto r2 = runCommand(second, std::chrono::seconds(300), {"FSDPRUN_BACKEND=gloo", tag});
+  if (r2.exitCode != 0) {
+    error = r2.err;
+    return "";
+  }
+  return r2.out;
+}
+
 }  // namespace fsdp::testing::nodes

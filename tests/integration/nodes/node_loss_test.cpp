@@ -61,38 +61,22 @@ TEST_F(NodeLoss, AKilledNodeOfFourIsRestoredFromItsPeerCopyAndThreeRanksEndAsARe
   ASSERT_TRUE(summary.is_object()) << job.allErr();
 
   // At most one step redone: the last step completed before the kill, against the one resumed.
-  long long doneBeforeKill = -1;
-  json resume;
-  for (const auto& line : metricsLines(job.metricsPath())) {
-    if (line.value("type", "") == "train" && line.value("unix_time", 0.0) < killedAt &&
-        resume.is_null()) {
-      doneBeforeKill = std::max(doneBeforeKill, line["step"].get<long long>());
-    }
-    if (line.value("type", "") == "resume") resume = line;
-  }
-  ASSERT_TRUE(resume.is_object()) << "no resume line in " << job.metricsPath() << "\n"
-                                  << job.allErr();
-  EXPECT_EQ(resume.value("source", ""), "peer copy") << job.allErr();
-  const long long resumed = resume["step"].get<long long>();
-  EXPECT_GE(resumed, doneBeforeKill - 1) << "more than one step redone";
+  const auto around = fsdp::testing::nodes::aroundKill(job.metricsPath(), killedAt);
+  ASSERT_TRUE(around.resume.is_object()) << "no resume line in " << job.metricsPath() << "\n"
+                                         << job.allErr();
+  EXPECT_EQ(around.resume.value("source", ""), "peer copy") << job.allErr();
+  const long long resumed = around.resume["step"].get<long long>();
+  EXPECT_GE(resumed, around.doneBefore - 1) << "more than one step redone";
   EXPECT_EQ(summary.value("world_size", 0), 3);
   EXPECT_EQ(summary.value("resumed_from_step", -1), resumed);
   EXPECT_EQ(summary.value("steps", 0), kSteps);
 
   // The state equals a 3-rank run resumed from that step: 4 ranks that save every step up to
   // it, then 3 ranks from its checkpoint.
-  const std::string ckpt = job.dir() + "/ckpt";
-  auto four = mnist({"--checkpoint_dir", ckpt, "--checkpoint_every", "1", "--keep_checkpoints", "0",
-                     "--snapshot_every", "0"},
-                    static_cast<int>(resumed));
-  four.insert(four.begin(), {kBin + "/fsdprun", "--nproc_per_node", "4"});
-  const auto first = runCommand(four, 300s, {"FSDPRUN_BACKEND=gloo", job.tag()});
-  ASSERT_EQ(first.exitCode, 0) << first.err;
-  auto three = mnist({"--checkpoint_dir", ckpt, "--snapshot_every", "0"}, kSteps);
-  three.insert(three.begin(), {kBin + "/fsdprun", "--nproc_per_node", "3"});
-  const auto second = runCommand(three, 300s, {"FSDPRUN_BACKEND=gloo", job.tag()});
-  ASSERT_EQ(second.exitCode, 0) << second.err;
-  const auto reference = summaryOf(second.out);
+  std::string error;
+  const auto reference = summaryOf(
+      fsdp::testing::nodes::resumedReference(job.dir() + "/ckpt", 4, 3, resumed, kSteps, job.tag(), error));
+  ASSERT_TRUE(error.empty()) << error;
   EXPECT_EQ(reference.value("resumed_from_step", -1), resumed);
   EXPECT_EQ(summary.value("params_sha256", ""), reference.value("params_sha256", "?"))
       << "the survivors ended elsewhere than three ranks resumed from step " << resumed;
