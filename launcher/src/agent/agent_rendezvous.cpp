@@ -199,12 +199,16 @@ bool Agent::failover() {
             *lost_);
   client_.reset();
   proxy_.reset();
-  // Each survivor tries the successors in the same order; a successor serves when its turn
-  // comes. One that cannot serve (its port taken) is passed over once the others waited this
-  // long for it: longer than the spread between survivors noticing a silent server.
+  // Each survivor tries the successors in the same order, and successor k's turn ends `turn`
+  // after the k-th: it serves once the ones before it had theirs, and the others wait on it until
+  // its turn is over (even when they came to it early, passing over themselves). A turn is longer
+  // than the spread between survivors noticing a silent server.
   const auto turn = std::max<std::chrono::milliseconds>(10s, 2 * options_.rdzvConf.heartbeatTimeout);
+  const auto start = Clock::now();
   const int port = plan_.endpoint.port;
-  for (const auto& s : successors_) {
+  for (std::size_t k = 0; k < successors_.size(); ++k) {
+    const auto& s = successors_[k];
+    const auto turnEnds = start + static_cast<int>(k + 1) * turn;
     storeHost_ = s.address;
     storePort_ = port;
     if (s.node == node_ && s.address == address_) {
@@ -226,7 +230,10 @@ bool Agent::failover() {
     }
     std::string error;
     const auto tried = Clock::now();
-    if (tryConnect(Deadline::after(server_ ? std::chrono::milliseconds(10s) : turn), error)) {
+    const auto wait = server_ ? std::chrono::milliseconds(10s)
+                              : std::max<std::chrono::milliseconds>(
+                                    2s, std::chrono::duration_cast<std::chrono::milliseconds>(turnEnds - tried));
+    if (tryConnect(Deadline::after(wait), error)) {
       log::warn("run '{}' goes on with the rendezvous at {}:{} (node {})", options_.rdzvId, s.address, port, s.node);
       lost_.reset();
       nextHeartbeat_ = Clock::now();
