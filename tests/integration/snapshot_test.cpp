@@ -251,18 +251,6 @@ TEST(SnapshotApi, ASnapshotOfAnotherModelIsRefusedWithOneLineAndNothingIsRestore
 
 // ---- node loss -------------------------------------------------------------------------------
 
-// The parent pid of `pid` (from /proc/<pid>/stat), or -1.
-int parentOf(int pid) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const auto close = text.rfind(')');
-  if (close == std::string::npos) return -1;
-  std::istringstream rest(text.substr(close + 2));
-  std::string state;
-  int ppid = -1;
-  rest >> state >> ppid;
-  return ppid;
-}
 
 TEST_F(Snapshots, AKilledNodeIsRestoredFromItsPeerCopyAsAOneNodeRunResumedThere) {
   TempDir dir;
@@ -303,7 +291,7 @@ TEST_F(Snapshots, AKilledNodeIsRestoredFromItsPeerCopyAsAOneNodeRunResumedThere)
   const auto ours = fsdp::testing::processesWithEnvironment(tag);
   for (const int pid : fsdp::testing::processesWithEnvironment("RANK=1")) {
     if (std::find(ours.begin(), ours.end(), pid) == ours.end()) continue;
-    const int parent = parentOf(pid);
+    const int parent = fsdp::testing::parentOf(pid);
     for (std::size_t i = 0; i < agents.size(); ++i) {
       if (agents[i].pid() == parent) victim = static_cast<int>(i);
     }

@@ -28,6 +28,9 @@ long procNumber(const std::string& path, const std::string& label);
 // A TCP port free on 127.0.0.1 right now (bind to port 0, read it back).
 int freeLoopbackPort();
 
+// The parent pid of `pid` (from /proc/<pid>/stat), or -1.
+int parentOf(int pid);
+
 // A listening socket on 127.0.0.1 that never accepts or answers: a foreign service holding a
 // port. Closed by the destructor.
 class SilentListener {

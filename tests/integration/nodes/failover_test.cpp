@@ -28,30 +28,15 @@ using fsdp::testing::nodes::kBin;
 using fsdp::testing::nodes::metricsLines;
 using fsdp::testing::nodes::mnist;
 using fsdp::testing::nodes::NodeJob;
+using fsdp::testing::nodes::survivorsSucceed;
+using fsdp::testing::nodes::unixNow;
 using nlohmann::json;
 using namespace std::chrono_literals;
 
 constexpr int kSteps = 30;
 constexpr long long kKillAfter = 12;
 
-double unixNow() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
 
-// Waits for every agent but `victim` to exit 0; the summary line of the one that printed it.
-json survivorsSucceed(NodeJob& job, int victim) {
-  json summary;
-  for (int i = 0; i < job.agents(); ++i) {
-    if (i == victim) continue;
-    const auto rc = job.wait(i, 400s);
-    EXPECT_TRUE(rc.has_value()) << "agent " << i << " did not end\n" << job.allErr();
-    if (!rc) return summary;
-    EXPECT_EQ(*rc, 0) << "agent " << i << "\n" << job.allErr();
-    const auto s = summaryOf(job.out(i));
-    if (s.contains("params_sha256")) summary = s;
-  }
-  return summary;
-}
 
 class Failover : public ::testing::Test {
  protected:
@@ -72,7 +57,7 @@ TEST_F(Failover, KillingTheAgentThatServesTheRendezvousLeavesTheRunToTheSurvivor
   ASSERT_EQ(host, 0) << "agent 0 (127.0.0.2, the endpoint) should be node 0\n" << job.allErr();
   const double killedAt = unixNow();
   ASSERT_TRUE(job.kill(host));
-  const json summary = survivorsSucceed(job, host);
+  const json summary = survivorsSucceed(job, host, 400s);
   ASSERT_TRUE(summary.is_object() && summary.contains("params_sha256")) << job.allErr();
   EXPECT_NE(job.err(1).find("serving the rendezvous of run"), std::string::npos) << job.allErr();
   EXPECT_NE(job.err(2).find("goes on with the rendezvous at 127.0.0.3"), std::string::npos) << job.allErr();
@@ -112,7 +97,7 @@ TEST_F(Failover, ASuccessorThatCannotServeIsPassedOverForTheNext) {
   ASSERT_TRUE(job.waitForStep(8, 300s)) << job.allErr();
   ASSERT_EQ(job.agentOfRank(0), 0) << job.allErr();
   ASSERT_TRUE(job.kill(0));
-  const json summary = survivorsSucceed(job, 0);
+  const json summary = survivorsSucceed(job, 0, 400s);
   ::close(busy);
   ASSERT_TRUE(summary.is_object() && summary.contains("params_sha256")) << job.allErr();
   const std::string port = std::to_string(job.rdzvPort());
@@ -139,7 +124,7 @@ TEST_F(Failover, ASpareTakesTheLostNodesRanksAndTheRunEndsBitIdenticalToAnUninte
   ASSERT_GE(victim, 0);
   const double killedAt = unixNow();
   ASSERT_TRUE(job.kill(victim));
-  const json summary = survivorsSucceed(job, victim);
+  const json summary = survivorsSucceed(job, victim, 400s);
   ASSERT_TRUE(summary.is_object() && summary.contains("params_sha256")) << job.allErr();
   const auto around = aroundKill(job.metricsPath(), killedAt);
   ASSERT_TRUE(around.resume.is_object()) << "no resume line\n" << job.allErr();

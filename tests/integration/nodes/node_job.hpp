@@ -9,6 +9,7 @@
 //   job.kill(job.agentOfRank(2));
 //   auto rc = job.wait(survivor, 240s);
 
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -29,6 +30,7 @@
 #include "processes.hpp"
 #include "rdzv_daemon.hpp"
 #include "run_command.hpp"
+#include "summary_line.hpp"
 
 namespace fsdp::testing::nodes {
 
@@ -73,17 +75,7 @@ inline std::vector<std::string> mnist(const std::vector<std::string>& extra, int
   return argv;
 }
 
-inline int parentOf(int pid) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const auto close = text.rfind(')');
-  if (close == std::string::npos) return -1;
-  std::istringstream rest(text.substr(close + 2));
-  std::string state;
-  int ppid = -1;
-  rest >> state >> ppid;
-  return ppid;
-}
+using fsdp::testing::parentOf;
 
 // The value of `key` in a process's environment; "" when it has none (or is gone).
 inline std::string environmentValue(int pid, const std::string& key) {
@@ -271,6 +263,27 @@ class NodeJob {
   int rdzvPort_ = 0;
   std::vector<fsdp::ChildProcess> agents_;
 };
+
+// The wall-clock time now, as the metrics lines' unix_time has it.
+inline double unixNow() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+// Waits for every agent but `victim` to exit 0 (gtest failures otherwise); the summary line of
+// the one that printed it (rank 0 of the last world, whichever agent that is), null if none.
+inline nlohmann::json survivorsSucceed(NodeJob& job, int victim, std::chrono::milliseconds within) {
+  nlohmann::json summary;
+  for (int i = 0; i < job.agents(); ++i) {
+    if (i == victim) continue;
+    const auto rc = job.wait(i, within);
+    EXPECT_TRUE(rc.has_value()) << "agent " << i << " did not end\n" << job.allErr();
+    if (!rc) return summary;
+    EXPECT_EQ(*rc, 0) << "agent " << i << "\n" << job.allErr();
+    const auto s = summaryOf(job.out(i));
+    if (s.contains("params_sha256")) summary = s;
+  }
+  return summary;
+}
 
 // What a job's metrics file shows around a kill at `killedAt` (unix time): the newest step
 // trained before it, and the resume line after it (null when none).

@@ -20,6 +20,7 @@ using fsdp::testing::nodes::kBin;
 using fsdp::testing::nodes::metricsLines;
 using fsdp::testing::nodes::mnist;
 using fsdp::testing::nodes::NodeJob;
+using fsdp::testing::nodes::unixNow;
 using nlohmann::json;
 using namespace std::chrono_literals;
 
@@ -33,10 +34,6 @@ class NodeLoss : public ::testing::Test {
   }
 };
 
-// The wall-clock time now, as the metrics lines' unix_time has it.
-double unixNow() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
 
 TEST_F(NodeLoss, AKilledNodeOfFourIsRestoredFromItsPeerCopyAndThreeRanksEndAsAResumedRun) {
   NodeJob job("peer", {.agents = 4, .nnodes = "3:4", .steps = kSteps});
@@ -46,18 +43,8 @@ TEST_F(NodeLoss, AKilledNodeOfFourIsRestoredFromItsPeerCopyAndThreeRanksEndAsARe
   ASSERT_GE(victim, 0) << "no worker of rank 2 under any agent";
   const double killedAt = unixNow();
   ASSERT_TRUE(job.kill(victim));
-  for (int i = 0; i < job.agents(); ++i) {
-    if (i == victim) continue;
-    const auto rc = job.wait(i, 300s);
-    ASSERT_TRUE(rc.has_value()) << "agent " << i << " did not end\n" << job.allErr();
-    ASSERT_EQ(*rc, 0) << "agent " << i << "\n" << job.allErr();
-  }
   // Rank 0 of the restarted world prints the summary; whichever agent that is.
-  json summary;
-  for (int i = 0; i < job.agents(); ++i) {
-    const auto s = summaryOf(job.out(i));
-    if (i != victim && s.contains("params_sha256")) summary = s;
-  }
+  const json summary = fsdp::testing::nodes::survivorsSucceed(job, victim, 300s);
   ASSERT_TRUE(summary.is_object()) << job.allErr();
 
   // At most one step redone: the last step completed before the kill, against the one resumed.
