@@ -42,6 +42,10 @@ double procStatusMb(int pid, const std::string& field);
 // Median and percentiles of samples (sorted in place).
 double percentile(std::vector<double>& samples, double p);
 
+// Part `index` of `total` split into `parts` nearly equal parts (the share of the clients each
+// process of rdzv_join and store_init runs).
+inline int shareOf(int total, int parts, int index) { return total / parts + (index < total % parts ? 1 : 0); }
+
 void storeOps(const Args& args);
 void rdzvJoin(const Args& args);
 void storeInit(const Args& args);
@@ -60,5 +64,8 @@ void recovery(const Args& args);
 void hang(const Args& args);
 void collectives(const Args& args);
 int collectivesWorker(const std::string& mbList, int reps);
+void telemetry(const Args& args);
+// Hidden: the recorder's hot paths timed in this process (telemetry's micro-benchmark).
+int telemetryMicro();
 
 }  // namespace fsdp::bench

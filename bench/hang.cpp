@@ -12,7 +12,7 @@
 #include "bench.hpp"
 #include "fsdp/common/error.hpp"
 #include "comm/recorded_communicator.hpp"
-#include "fsdp/worker/flight_recorder.hpp"
+#include "null_communicator.hpp"
 #include "recovery_job.hpp"
 
 namespace fsdp::bench {
@@ -43,21 +43,6 @@ std::vector<std::string> split(const std::string& text) {
   return out;
 }
 
-std::vector<std::string> job(const std::string& runId, const std::string& metrics, const std::string& hangTimeout,
-                             long long steps, long long stallStep, const std::string& model) {
-  const std::string bin = binDir();
-  std::vector<std::string> argv = {bin + "/fsdprun", "--nproc_per_node", "3", "--max_restarts", "1",
-                                   "--rdzv_id", runId, "--hang_timeout", hangTimeout,
-                                   bin + "/mnist", "--model", model, "--no_dropout", "--no_eval",
-                                   "--progress", "none", "--batch_size", "48", "--max_steps", std::to_string(steps),
-                                   "--log_every", "1", "--metrics_file", metrics};
-  if (stallStep > 0) {
-    argv.insert(argv.end(), {"--fault_kill_at_step", std::to_string(stallStep), "--fault_kill_rank", "1",
-                             "--fault_kind", "stop"});
-  }
-  return argv;
-}
-
 std::vector<std::string> environment(const std::string& runId, bool recorder) {
   auto env = jobEnvironment(runId);
   std::erase_if(env, [](const std::string& e) { return e.starts_with("FSDPRUN_FLIGHT_RECORDER="); });
@@ -70,7 +55,7 @@ void stallCase(const std::string& which, long long steps, long long stallStep) {
   const std::string runId = "bench-hang-" + which + "-" + std::to_string(::getpid());
   const std::string metrics = dir.path() + "/metrics.jsonl";
   const std::string timeout = which == "off" ? "0" : which;
-  const Launch launch{{job(runId, metrics, timeout, steps, stallStep, "shallow")}, environment(runId, true), runId, metrics};
+  const Launch launch{{mnistJob(runId, metrics, timeout, steps, stallStep, "shallow")}, environment(runId, true), runId, metrics};
   const auto seen = runJob(launch, dir, Kill::kNone, {}, std::chrono::seconds(600));
   nlohmann::json line{{"bench", "hang"}, {"case", "stall"}, {"hang_timeout", which}, {"ranks", 3},
                       {"stall_after_step", stallStep}, {"finished", seen.finished}};
@@ -90,7 +75,7 @@ void stallCase(const std::string& which, long long steps, long long stallStep) {
       lastStep = l.value("step", 0LL);
     }
     if (!stepMs.empty() && lastStep <= stallStep) {
-      stall = lastTime + static_cast<double>(stallStep - lastStep) * percentile(stepMs, 50) / 1000;
+      stall = lastTime + static_cast<double>(stallStep - lastStep) * percentile(stepMs, 0.5) / 1000;
     }
   }
   const auto reported = which == "off" ? loggedAt(dir.path() + "/launcher0.err", ") failed: ")
@@ -114,57 +99,6 @@ void stallCase(const std::string& which, long long steps, long long stallStep) {
   emit(line);
 }
 
-// The median of step_time_ms past the first 3 steps, and collectives recorded per step.
-std::pair<double, double> stepCost(const Observed& seen) {
-  std::vector<double> times;
-  double firstCollectives = -1, lastCollectives = -1, firstStep = 0, lastStep = 0;
-  for (const auto& l : seen.lines) {
-    if (l.value("type", "") != "train" || l.value("step", 0LL) <= 3) continue;
-    times.push_back(l.value("step_time_ms", 0.0));
-    const double c = l.value("collectives", 0.0);
-    if (firstCollectives < 0) {
-      firstCollectives = c;
-      firstStep = l.value("step", 0.0);
-    }
-    lastCollectives = c;
-    lastStep = l.value("step", 0.0);
-  }
-  const double perStep = lastStep > firstStep ? (lastCollectives - firstCollectives) / (lastStep - firstStep) : 0;
-  return {times.empty() ? 0.0 : percentile(times, 50), perStep};
-}
-
-// A communicator whose operations do nothing: what is left is the recorder's own cost.
-class NullCommunicator final : public worker::Communicator {
- public:
-  int rank() const override { return 0; }
-  int size() const override { return 1; }
-  c10::DeviceType deviceType() const override { return c10::DeviceType::CPU; }
-  const char* backendName() const override { return "null"; }
-  worker::Work allReduce(at::Tensor, worker::ReduceOp) override { return done(); }
-  worker::Work allGather(at::Tensor, at::Tensor) override { return done(); }
-  worker::Work reduceScatter(at::Tensor, at::Tensor, worker::ReduceOp) override { return done(); }
-  worker::Work broadcast(at::Tensor, int) override { return done(); }
-  worker::Work barrier() override { return done(); }
-
- private:
-  static worker::Work done() { return worker::completedWork([] {}); }
-};
-
-// Nanoseconds per allReduce(...).wait() on `comm`, the best of 5 runs of `n`.
-double nsPerCollective(worker::Communicator& comm, int n) {
-  const at::Tensor t = at::zeros({1});
-  double best = 1e18;
-  for (int run = 0; run < 5; ++run) {
-    const auto start = std::chrono::steady_clock::now();
-    for (int i = 0; i < n; ++i) {
-      worker::CommTag tag("backward", "blocks.3");
-      comm.allReduce(t, worker::ReduceOp::kSum).wait();
-    }
-    best = std::min(best, std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count() / n);
-  }
-  return best;
-}
-
 void overhead(long long steps, long long reps) {
   NullCommunicator plain;
   auto recorded = worker::detail::recordCollectives(std::make_unique<NullCommunicator>(), "world");
@@ -178,7 +112,7 @@ void overhead(long long steps, long long reps) {
       RunDir dir;
       const std::string runId = "bench-hang-cost-" + std::to_string(::getpid()) + "-" + std::to_string(rep);
       const std::string metrics = dir.path() + "/metrics.jsonl";
-      const Launch launch{{job(runId, metrics, "auto", steps, 0, "deep")}, environment(runId, recorder), runId, metrics};
+      const Launch launch{{mnistJob(runId, metrics, "auto", steps, 0, "deep")}, environment(runId, recorder), runId, metrics};
       const auto seen = runJob(launch, dir, Kill::kNone, {}, std::chrono::seconds(600));
       const auto [ms, collectives] = stepCost(seen);
       (recorder ? on : off).push_back(ms);
@@ -186,11 +120,11 @@ void overhead(long long steps, long long reps) {
     }
     if (off.back() > 0) ratios.push_back(on.back() / off.back());
   }
-  const double stepMs = percentile(on, 50);
+  const double stepMs = percentile(on, 0.5);
   const double recorderNs = std::max(0.0, recordedNs - plainNs);
   emit({{"bench", "hang"}, {"case", "recorder_cost"}, {"model", "deep"}, {"ranks", 3}, {"steps", steps}, {"reps", reps},
-        {"step_ms_recorder_on", stepMs}, {"step_ms_recorder_off", percentile(off, 50)},
-        {"median_ratio_on_over_off", ratios.empty() ? 0.0 : percentile(ratios, 50)},
+        {"step_ms_recorder_on", stepMs}, {"step_ms_recorder_off", percentile(off, 0.5)},
+        {"median_ratio_on_over_off", ratios.empty() ? 0.0 : percentile(ratios, 0.5)},
         {"collectives_per_step", perStep}, {"ns_per_collective_plain", plainNs},
         {"ns_per_collective_recorded", recordedNs},
         {"recorder_share_of_step_pct", stepMs > 0 ? 100.0 * recorderNs * perStep / (stepMs * 1e6) : 0.0}});

@@ -164,6 +164,13 @@ int main(int argc, char** argv) {
        "torch.distributed Gloo (--mb 1,16,128 --ranks 2,4 --reps 5)",
        {"mb", "ranks", "reps"},
        collectives},
+      {"telemetry",
+       "libfsdp's step timing and the agent's /metrics: the 3-rank DeepNet job of hang with "
+       "FSDPRUN_STEP_TIMING=1 vs 0, and the recorder's hot paths timed with it on and off (child "
+       "processes); the same job with --metrics_port scraped back to back vs not scraped: step times, "
+       "scrapes/s, scrape latency, page size; alternating --reps (2) (--cases timing,scrape --steps 24)",
+       {"cases", "steps", "reps"},
+       telemetry},
   };
   if (argc < 2) {
     std::cerr << "usage: fsdp-bench NAME [--flag value ...] | --list | --all\n";
@@ -184,6 +191,7 @@ int main(int argc, char** argv) {
     }
     if (first == "c10d_server" && argc == 3) return c10dServer(std::string(argv[2]) == "presized");
     if (first == "collectives_worker" && argc == 4) return collectivesWorker(argv[2], std::stoi(argv[3]));
+    if (first == "telemetry_micro" && argc == 2) return telemetryMicro();
   } catch (const std::exception& e) {
     std::cout << "error: " << e.what() << std::endl;
     return 1;

@@ -1,14 +1,17 @@
 #pragma once
 // One job of `fsdp-bench recovery`: its launchers started, one rank's worker (or its agent)
 // SIGKILLed by pid at a chosen moment while rank 0's metrics file is read as it grows, and
-// every process of the job gone afterwards.
+// every process of the job gone afterwards. Also the 3-rank mnist job `hang` and `telemetry` run
+// through it, and the step cost read from its metrics.
 
 #include <chrono>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "bench.hpp"
 #include "fsdp/common/process.hpp"
 
 namespace fsdp::bench::recovery_job {
@@ -99,5 +102,45 @@ struct KillAt {
 // the caller puts it in `launch.env`. Failures are reported in Observed::error, not thrown.
 Observed runJob(const Launch& launch, const RunDir& dir, Kill kill, KillAt at,
                 std::chrono::seconds limit);
+
+// The job of `fsdp-bench hang` and `telemetry`: fsdprun, 3 ranks, --max_restarts 1, --hang_timeout
+// `hangTimeout`, running mnist's `model` (no dropout, no evaluation) for `steps` steps of 48
+// samples, rank 0's metrics line every step into `metrics`; with `stallStep` > 0, rank 1 stops
+// itself (SIGSTOP) after that step. Launcher flags go in at index 1, before the program.
+inline std::vector<std::string> mnistJob(const std::string& runId, const std::string& metrics,
+                                         const std::string& hangTimeout, long long steps, long long stallStep,
+                                         const std::string& model) {
+  const std::string bin = binDir();
+  std::vector<std::string> argv = {bin + "/fsdprun", "--nproc_per_node", "3", "--max_restarts", "1",
+                                   "--rdzv_id", runId, "--hang_timeout", hangTimeout,
+                                   bin + "/mnist", "--model", model, "--no_dropout", "--no_eval",
+                                   "--progress", "none", "--batch_size", "48", "--max_steps", std::to_string(steps),
+                                   "--log_every", "1", "--metrics_file", metrics};
+  if (stallStep > 0) {
+    argv.insert(argv.end(), {"--fault_kill_at_step", std::to_string(stallStep), "--fault_kill_rank", "1",
+                             "--fault_kind", "stop"});
+  }
+  return argv;
+}
+
+// The median of step_time_ms past the first 3 steps of rank 0's metrics lines (0 when none), and
+// the collectives recorded per step over those steps.
+inline std::pair<double, double> stepCost(const Observed& seen) {
+  std::vector<double> times;
+  double firstCollectives = -1, lastCollectives = -1, firstStep = 0, lastStep = 0;
+  for (const auto& l : seen.lines) {
+    if (l.value("type", "") != "train" || l.value("step", 0LL) <= 3) continue;
+    times.push_back(l.value("step_time_ms", 0.0));
+    const double c = l.value("collectives", 0.0);
+    if (firstCollectives < 0) {
+      firstCollectives = c;
+      firstStep = l.value("step", 0.0);
+    }
+    lastCollectives = c;
+    lastStep = l.value("step", 0.0);
+  }
+  const double perStep = lastStep > firstStep ? (lastCollectives - firstCollectives) / (lastStep - firstStep) : 0;
+  return {times.empty() ? 0.0 : percentile(times, 0.5), perStep};
+}
 
 }  // namespace fsdp::bench::recovery_job

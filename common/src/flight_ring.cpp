@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <limits>
 #include <ctime>
 #include <new>
 #include <utility>
@@ -175,6 +176,21 @@ Reading RingMemory::read(std::size_t last) const {
   r.progress.longestGapNs = h.longestGapNs.load(std::memory_order_relaxed);
   r.progress.what = readText(h.progressWhat);
   r.progress.busySinceNs = h.busySinceNs.load(std::memory_order_relaxed);
+  auto& t = r.timing;
+  t.steps = h.steps.load(std::memory_order_acquire);
+  t.stepNs = h.stepNs.load(std::memory_order_relaxed);
+  t.waitNs = h.waitNs.load(std::memory_order_relaxed);
+  t.dataNs = h.dataNs.load(std::memory_order_relaxed);
+  t.lastStepNs = h.lastStepNs.load(std::memory_order_relaxed);
+  t.lastWaitNs = h.lastWaitNs.load(std::memory_order_relaxed);
+  t.lastDataNs = h.lastDataNs.load(std::memory_order_relaxed);
+  t.bytes = h.bytes.load(std::memory_order_relaxed);
+  t.samples = h.samples.load(std::memory_order_relaxed);
+  t.tokens = h.tokens.load(std::memory_order_relaxed);
+  t.lastSamples = h.lastSamples.load(std::memory_order_relaxed);
+  t.lastTokens = h.lastTokens.load(std::memory_order_relaxed);
+  t.loss = h.loss.load(std::memory_order_relaxed);
+  t.straggler = h.straggler.load(std::memory_order_relaxed);
   const std::uint64_t n = std::min<std::uint64_t>({r.issued, capacity_, last});
   for (std::uint64_t index = r.issued - n; index < r.issued; ++index) {
     const Slot& s = slot(index);
@@ -205,6 +221,7 @@ Reading RingMemory::read(std::size_t last) const {
 void Writer::attach(int rank) {
   Header& h = ring_.header();
   h.rank = rank;
+  h.loss.store(std::numeric_limits<double>::quiet_NaN(), std::memory_order_relaxed);
   h.pid.store(::getpid(), std::memory_order_relaxed);
   h.attachedNs.store(nowNs(), std::memory_order_release);
 }
@@ -256,6 +273,27 @@ void Writer::complete(std::uint64_t index, bool ok) {
   std::int64_t seen = last.load(std::memory_order_relaxed);
   while (seen < now && !last.compare_exchange_weak(seen, now, std::memory_order_relaxed)) {
   }
+}
+
+void Writer::publishTiming(const StepTiming& t) {
+  Header& h = ring_.header();
+  h.stepNs.store(t.stepNs, std::memory_order_relaxed);
+  h.waitNs.store(t.waitNs, std::memory_order_relaxed);
+  h.dataNs.store(t.dataNs, std::memory_order_relaxed);
+  h.lastStepNs.store(t.lastStepNs, std::memory_order_relaxed);
+  h.lastWaitNs.store(t.lastWaitNs, std::memory_order_relaxed);
+  h.lastDataNs.store(t.lastDataNs, std::memory_order_relaxed);
+  h.samples.store(t.samples, std::memory_order_relaxed);
+  h.tokens.store(t.tokens, std::memory_order_relaxed);
+  h.lastSamples.store(t.lastSamples, std::memory_order_relaxed);
+  h.lastTokens.store(t.lastTokens, std::memory_order_relaxed);
+  h.loss.store(t.loss, std::memory_order_relaxed);
+  h.straggler.store(t.straggler, std::memory_order_relaxed);
+  h.steps.store(t.steps, std::memory_order_release);
+}
+
+void Writer::addBytes(std::int64_t bytes) {
+  ring_.header().bytes.fetch_add(bytes, std::memory_order_relaxed);
 }
 
 void Writer::setBusy(bool busy) {

@@ -107,6 +107,13 @@ const Spec kSpecs[] = {
      "Keep a spare of each worker waiting in fsdp::init() (libfsdp programs), so that a restart "
      "skips the program's start-up. Needs --max_restarts > 0",
      kLaunch, true},
+    {"metrics_port", "--metrics_port,--metrics-port",
+     "Serve Prometheus metrics at http://ADDR:PORT/metrics (read-only): each worker's step, step "
+     "time split, throughput, loss, memory, straggler score; the node's restarts and rounds; the "
+     "rendezvous server's where this agent serves it. 0: a free port (logged). Default: off",
+     kLaunch},
+    {"metrics_addr", "--metrics_addr,--metrics-addr",
+     "Address the metrics endpoint binds (default 0.0.0.0: every interface)", kLaunch},
     {"no_slurm", "--no_slurm,--no-slurm", "Ignore the SLURM_* environment", kLaunch, true},
     {"dry_run", "--dry_run,--dry-run",
      "Print the resolved configuration, with where each value came from, and exit", kLaunch, true},
@@ -246,6 +253,7 @@ ParseResult parseCommandLine(int argc, const char* const* argv, const EnvLookup&
       {"role", "default"},      {"master_addr", "127.0.0.1"}, {"start_method", "spawn"},
       {"shutdown_timeout", "30"},   {"snapshot_memory_limit", "auto"},
       {"hang_timeout", "auto"},     {"max_stalled_restarts", "3"},
+      {"metrics_addr", "0.0.0.0"},
   };
   std::map<std::string, bool> flags;
   std::map<std::string, CLI::Option*> cli;
@@ -358,6 +366,16 @@ ParseResult parseCommandLine(int argc, const char* const* argv, const EnvLookup&
     }
     o.hangTimeout = std::chrono::milliseconds(static_cast<long long>(*hang * 1000));
   }
+  if (!text["metrics_port"].empty()) {
+    const auto port = parseInt(text["metrics_port"]);
+    if (!port || *port < 0 || *port > 65535) {
+      throw ConfigError("--metrics_port '" + text["metrics_port"] +
+                        "': expected a TCP port, 0 to 65535 (0: a free one)");
+    }
+    o.metricsPort = static_cast<int>(*port);
+  }
+  o.metricsAddr = text["metrics_addr"];
+  if (o.metricsAddr.empty()) throw ConfigError("--metrics_addr '': expected an address to bind, e.g. 0.0.0.0");
   const auto stalled = parseInt(text["max_stalled_restarts"]);
   if (!stalled || *stalled < 0 || *stalled > 1'000'000) {
     throw ConfigError("--max_stalled_restarts '" + text["max_stalled_restarts"] +

@@ -3,6 +3,8 @@
 //   fsdprun-rdzv --host 0.0.0.0 --port 29400 --token_file /run/job.token
 #include <signal.h>
 
+#include <memory>
+
 #include <CLI/CLI.hpp>
 #include <fstream>
 #include <iostream>
@@ -11,6 +13,8 @@
 #include "fsdp/common/error.hpp"
 #include "fsdp/common/log.hpp"
 #include "fsdp/common/process.hpp"
+#include "fsdp/common/metrics_http.hpp"
+#include "fsdp/rendezvous/server_metrics.hpp"
 #include "fsdp/rendezvous/store_server.hpp"
 
 namespace {
@@ -54,6 +58,13 @@ int main(int argc, char** argv) {
   app.add_option("--max_queued_bytes,--max-queued-bytes", maxQueued,
                  "Bytes a connection may leave unread before the server stops reading it "
                  "(0 = no limit)");
+  int metricsPort = -1;
+  std::string metricsAddr = "0.0.0.0";
+  app.add_option("--metrics_port,--metrics-port", metricsPort,
+                 "Serve Prometheus metrics at http://ADDR:PORT/metrics (read-only): rounds, agents, "
+                 "sessions, keys, queued bytes, requests (0 = a free port, printed on start)")
+      ->check(CLI::Range(0, 65535));
+  app.add_option("--metrics_addr,--metrics-addr", metricsAddr, "Address the metrics endpoint binds (default 0.0.0.0)");
   app.add_option("--max_queued_bytes_total,--max-queued-bytes-total", maxQueuedTotal,
                  "Bytes left unread over all connections before only those with nothing unread "
                  "are read (0 = no limit)");
@@ -87,9 +98,23 @@ int main(int argc, char** argv) {
     fsdp::rendezvous::StoreServer server(options);
     std::cout << "fsdprun-rdzv: listening on " << host << ":" << server.port()
               << (options.token.empty() ? " (no token)" : " (token required)") << std::endl;
+    std::unique_ptr<fsdp::MetricsHttpServer> metrics;
+    if (metricsPort >= 0) {
+      try {
+        metrics = std::make_unique<fsdp::MetricsHttpServer>(metricsAddr, metricsPort, [&server] {
+          fsdp::prom::TextWriter out;
+          fsdp::rendezvous::writeServerMetrics(out, server.stats());
+          return out.take();
+        });
+      } catch (const fsdp::Error& e) {
+        throw fsdp::ConfigError("--metrics_port " + std::to_string(metricsPort) + ": " + e.what());
+      }
+      std::cout << "fsdprun-rdzv: metrics at " << metrics->url() << std::endl;
+    }
     int sig = 0;
     ::sigwait(&stopSignals, &sig);
     fsdp::log::info("received {}: stopping", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+    metrics.reset();  // its scrapes read the server
     server.stop();
     return 0;
   } catch (const fsdp::ConfigError& e) {

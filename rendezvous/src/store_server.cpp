@@ -141,14 +141,26 @@ void StoreServer::stop() {
 
 ServerStats StoreServer::stats() const {
   if (!impl_->thread.joinable()) return impl_->stats;
-  std::promise<ServerStats> result;
-  asio::post(impl_->io, [&] {
+  // Bounded: a loop that is stopping runs no more handlers, and a caller (a /metrics scrape) must
+  // not wait on it forever.
+  auto result = std::make_shared<std::promise<ServerStats>>();
+  auto future = result->get_future();
+  asio::post(impl_->io, [this, result] {
     ServerStats snapshot = impl_->stats;
     snapshot.runs = impl_->runs.size();
     snapshot.queuedBytes = impl_->queuedBytes;
-    result.set_value(snapshot);
+    for (const auto& [id, run] : impl_->runs) {
+      snapshot.perRun.push_back({.id = id, .round = run->rounds.round(), .restarts = run->rounds.restartCount(),
+                                 .members = run->rounds.memberCount(), .waiting = run->rounds.waitingCount(),
+                                 .sessions = run->sessions, .keys = run->store.size(),
+                                 .keyBytes = run->store.bytesHeld()});
+    }
+    result->set_value(std::move(snapshot));
   });
-  return result.get_future().get();
+  if (future.wait_for(std::chrono::seconds(5)) != std::future_status::ready) {
+    throw Error("the rendezvous server did not answer for its figures within 5 s (stopping?)");
+  }
+  return future.get();
 }
 
 }  // namespace fsdp::rendezvous

@@ -1,4 +1,5 @@
 #include "fsdp/worker/data.hpp"
+#include "fsdp/worker/flight_recorder.hpp"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Functions.h>
@@ -146,6 +147,7 @@ void DataLoader::produce(SamplerPosition position) {
 }
 
 DataLoader::Item DataLoader::next() {
+  const DataWait waiting;  // the step split counts this as data time
   std::unique_lock lock(mutex_);
   changed_.wait(lock, [this] { return !ready_.empty() || error_; });
   if (ready_.empty()) std::rethrow_exception(error_);

@@ -1,6 +1,7 @@
 #include "fsdp/worker/runtime.hpp"
 
 #include "comm/recorded_communicator.hpp"
+#include "stats/straggler.hpp"
 
 #include <ATen/Context.h>
 #include <signal.h>
@@ -152,6 +153,11 @@ Runtime::Runtime(WorkerEnv env, std::unique_ptr<rendezvous::StoreClient> store,
 
 // The communicators (and their threads) go before the store client they were built over.
 Runtime::~Runtime() {
+  if (stragglers_) {
+    detail::FlightRecorder::process().setStepObserver({});
+    if (detail::StragglerMonitor::active() == stragglers_) detail::StragglerMonitor::setActive(nullptr);
+    stragglers_.reset();
+  }
   comm_.reset();
   cpuComm_.reset();
 }
@@ -271,7 +277,9 @@ std::unique_ptr<Runtime> init(const InitOptions& options) {
   if (shm) {
     log::info("connected: store {}, world {}, backend {} ({})", store->endpoint(), env.worldSize, shm->backendName(),
               choice.reason);
-    return std::make_unique<Runtime>(std::move(env), std::move(store), std::move(shm), nullptr, Backend::kShm);
+    auto runtime = std::make_unique<Runtime>(std::move(env), std::move(store), std::move(shm), nullptr, Backend::kShm);
+    detail::startStragglerMonitor(*runtime, token);
+    return runtime;
   }
   // The CPU world: Gloo; in a build without Gloo (LibTorch has its own copy), shared memory,
   // which reaches the ranks of one node only.
@@ -299,12 +307,41 @@ std::unique_ptr<Runtime> init(const InitOptions& options) {
   }
   log::info("connected: store {}, world {}, backend {} ({})", store->endpoint(), env.worldSize,
             backendName(choice.backend), choice.reason);
+  std::unique_ptr<Runtime> runtime;
   if (nccl) {
-    return std::make_unique<Runtime>(std::move(env), std::move(store), std::move(nccl), std::move(gloo), Backend::kNccl);
+    runtime = std::make_unique<Runtime>(std::move(env), std::move(store), std::move(nccl), std::move(gloo), Backend::kNccl);
+  } else {
+    // kShm where ranks are not node-major (or one per node): Gloo for the world; HYBRID_SHARD's
+    // node groups still use shared memory.
+    runtime = std::make_unique<Runtime>(std::move(env), std::move(store), std::move(gloo), nullptr, choice.backend);
   }
-  // kShm where ranks are not node-major (or one per node): Gloo for the world; HYBRID_SHARD's
-  // node groups still use shared memory.
-  return std::make_unique<Runtime>(std::move(env), std::move(store), std::move(gloo), nullptr, choice.backend);
+  detail::startStragglerMonitor(*runtime, token);
+  return runtime;
 }
+
+namespace detail {
+
+void startStragglerMonitor(Runtime& runtime, const std::string& token) {
+  auto& recorder = FlightRecorder::process();
+  const auto options = stragglerOptionsFromEnv();
+  if (!recorder.timing() || options.every == 0 || runtime.worldSize() < 2) return;
+  const WorkerEnv& env = runtime.env();
+  std::string node = processEnv()("FSDPRUN_NODE").value_or("");
+  if (node.empty()) node = env.localAddress.empty() ? "rank" + std::to_string(env.rank) : env.localAddress;
+  std::replace(node.begin(), node.end(), ' ', '_');
+  auto connect = [host = env.storeHost, port = env.storePort, runId = env.runId, token] {
+    return rendezvous::StoreClient::connect(host, static_cast<std::uint16_t>(port),
+                                            {.connectTimeout = std::chrono::seconds(10), .runId = runId, .token = token});
+  };
+  auto monitor = std::make_shared<StragglerMonitor>(options, env.rank, env.worldSize, node, runtime.roundPrefix(),
+                                                    std::move(connect));
+  recorder.setStepObserver([m = monitor.get()](const FlightRecorder::StepSplit& s) {
+    m->onStep(s.step, s.stepNs, s.waitNs, s.dataNs);
+  });
+  StragglerMonitor::setActive(monitor);
+  runtime.stragglers_ = std::move(monitor);
+}
+
+}  // namespace detail
 
 }  // namespace fsdp::worker

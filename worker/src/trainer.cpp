@@ -18,6 +18,7 @@
 #include "fsdp/common/error.hpp"
 #include "fsdp/common/process.hpp"
 #include "comm/recorded_communicator.hpp"
+#include "stats/straggler.hpp"
 #include "fsdp/worker/flight_recorder.hpp"
 #include "fsdp/worker/runtime.hpp"
 
@@ -131,6 +132,24 @@ struct Trainer::Impl {
     if (metrics.is_open()) {
       metrics << line.dump() << '\n';
       metrics.flush();
+    }
+  }
+
+  // Rank 0: the straggler monitor's new findings into the metrics file (its thread logged them),
+  // and at the end the run's summary line.
+  void reportStragglers(bool summary = false) {
+    const auto monitor = detail::StragglerMonitor::active();
+    if (!monitor || !leader()) return;
+    for (const auto& e : monitor->takeEvents()) {
+      writeMetrics({{"type", e.recovered ? "straggler_recovered" : "straggler"}, {"rank", e.rank}, {"node", e.node},
+                    {"factor", e.factor}, {"compute_ms", e.computeMs}, {"median_compute_ms", e.medianComputeMs},
+                    {"wait_ms", e.waitMs}, {"data_ms", e.dataMs}, {"first_step", e.firstStep},
+                    {"last_step", e.lastStep}, {"unix_time", unixTime()}});
+    }
+    if (summary && monitor->reports() > 0) {
+      const std::string line = monitor->summary();
+      printLine(line);
+      writeMetrics({{"type", "stragglers"}, {"reports", monitor->reports()}, {"summary", line}});
     }
   }
 
@@ -385,6 +404,7 @@ FitResult Trainer::fit(const Dataset& train, const Dataset* eval) {
       // would make fewer where the local batch does not divide, and the ranks' collectives
       // would no longer pair.
       const std::int64_t local = b.input.size(0);
+      double stepLoss = 0, stepSamples = 0;
       const auto inputs = b.input.tensor_split(o.gradAccumulation);
       const auto targets = b.target.tensor_split(o.gradAccumulation);
       for (std::size_t m = 0; m < inputs.size(); ++m) {
@@ -397,7 +417,9 @@ FitResult Trainer::fit(const Dataset& train, const Dataset* eval) {
           const at::Tensor out = (forward ? forward(d.model, part) : d.model->forward(part.input)).to(at::kFloat);
           const at::Tensor l = d.loss(out, part);
           (l * scale).backward();
-          lossSum += l.item<double>() * n;
+          const double value = l.item<double>();
+          lossSum += value * n;
+          stepLoss += value * n;
         };
         if (m + 1 < inputs.size()) {
           auto guard = d.model->noSync();
@@ -406,6 +428,7 @@ FitResult Trainer::fit(const Dataset& train, const Dataset* eval) {
           run();
         }
         samples += n;
+        stepSamples += n;
         tokens += static_cast<double>(part.tokens);
       }
       if (o.clipGradNorm > 0) d.model->clipGradNorm(o.clipGradNorm);
@@ -416,7 +439,9 @@ FitResult Trainer::fit(const Dataset& train, const Dataset* eval) {
         d.optimizer.step();
       }
       ++step;
+      reportStep(static_cast<std::int64_t>(stepSamples), b.tokens, stepSamples > 0 ? stepLoss / stepSamples : 0.0);
       markProgress(step, "trainer step");
+      if (d.leader()) d.reportStragglers();
       if (d.snapshots && step % o.snapshotEvery == 0) {
         d.snapshots->save(d.model, &d.optimizer,
                           {.step = step, .position = sampler.next(item.position), .seed = o.seed,
@@ -510,6 +535,7 @@ FitResult Trainer::fit(const Dataset& train, const Dataset* eval) {
     if (lastEvalStep != step) evaluateEpoch(std::min(epoch, o.epochs - 1));
   }
   if (d.snapshots) d.snapshots->wait();
+  d.reportStragglers(/*summary=*/true);
   checkpoint(position);
   if (d.checkpointer) d.checkpointer->wait();
   if (d.barOpen && d.leader()) emitLine("");

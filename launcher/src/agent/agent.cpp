@@ -111,6 +111,14 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
   detail::WorkerGroup& group = *standing;
   auto watchdog = detail::startHangWatchdog(options_, a, group,
                                             {node_, storeHost_, storePort_, options_.rdzvId, token_});
+  int failedWorkers = 0;
+  if (metrics_) {
+    metrics_->setNode(node_);
+    metrics_->setKeeper(keeper_.get());
+    serving(server_.get());
+    metrics_->roundStarted(a.round, a.nodeRank, a.worldSize, a.restartCount, group.watched(),
+                           watchdog ? "watching" : "off");
+  }
   // The spares for the next restart start once this round's workers are past their own start-up
   // (they would compete with it for the CPUs).
   auto standbyAt = options_.standby && a.restartCount < options_.maxRestarts ? Clock::now() + kStandbyDelay
@@ -157,6 +165,7 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
     }
 
     for (const auto& exit : group.reap()) {
+      if (exit.status != 0) ++failedWorkers;
       if (state != State::kRunning || exit.status == 0) continue;
       Failure f{.rank = exit.rank,
                 .localRank = exit.localRank,
@@ -184,6 +193,7 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
     if (watchdog) {
       // Taken whatever the state, so that its descriptor never stays readable.
       const auto report = watchdog->take();
+      if (report && metrics_) metrics_->hangReported();
       if (report && state == State::kRunning) {
         // A worker failure: counted against --max_restarts; the stuck workers are killed.
         log::error("{}", report->text);
@@ -238,6 +248,7 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
       killAt = Clock::time_point::max();
     }
     if (group.running() > 0) continue;
+    if (metrics_) metrics_->roundEnded(failedWorkers);
     if (stopSignal) {
       return ended(128 + *stopSignal, "received " + signalName(*stopSignal) + ": stopped every worker");
     }
@@ -268,7 +279,25 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
   }
 }
 
+void Agent::startMetrics() {
+  if (!options_.metricsPort) return;
+  metrics_ = std::make_unique<AgentMetrics>(options_.rdzvId, options_.localAddr.empty() ? hostName() : options_.localAddr);
+  try {
+    metricsHttp_ = std::make_unique<MetricsHttpServer>(options_.metricsAddr, *options_.metricsPort,
+                                                       [m = metrics_.get()] { return m->render(); });
+  } catch (const Error& e) {
+    throw ConfigError("--metrics_port " + std::to_string(*options_.metricsPort) + ": " + e.what());
+  }
+  // Asked for a free port, the user learns which one only here.
+  if (*options_.metricsPort == 0) {
+    log::warn("metrics at {}", metricsHttp_->url());
+  } else {
+    log::info("metrics at {}", metricsHttp_->url());
+  }
+}
+
 AgentResult Agent::run() {
+  startMetrics();
   try {
     startRendezvous();
   } catch (const StopRequested& stop) {

@@ -240,6 +240,7 @@ bool Agent::failover() {
       startProxy();
       return true;
     }
+    serving(nullptr);
     server_.reset();
     log::warn("successor {} ({}:{}) did not answer in {} ms (last error: {}): trying the next", s.node, s.address, port,
               elapsedMs(tried), error);

@@ -20,6 +20,8 @@
 #include "fsdp/rendezvous/store_proxy.hpp"
 #include "fsdp/rendezvous/store_server.hpp"
 #include "../hang/agent_hooks.hpp"
+#include "../metrics/agent_metrics.hpp"
+#include "fsdp/common/metrics_http.hpp"
 #include "../workers/guardian.hpp"
 #include "../workers/worker_group.hpp"
 
@@ -120,6 +122,16 @@ class Agent {
   std::optional<Assignment> last_;   // the last round this node was a member of
   std::vector<rendezvous::Successor> successors_;  // who serves should the server be lost
   std::string program_;  // the workers' command, as the server compares it between nodes
+  // --metrics_port: last, so that the endpoint (whose scrapes read the server, the keeper and the
+  // workers' rings through metrics_) goes first.
+  std::unique_ptr<AgentMetrics> metrics_;
+  std::unique_ptr<MetricsHttpServer> metricsHttp_;
+  void startMetrics();
+  // Tells the endpoint which rendezvous server this agent serves (nullptr: none) before the one
+  // it served goes.
+  void serving(const rendezvous::StoreServer* server) {
+    if (metrics_) metrics_->setServer(server);
+  }
 };
 
 }  // namespace fsdp::launcher::detail

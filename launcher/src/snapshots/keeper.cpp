@@ -93,6 +93,7 @@ struct SnapshotKeeper::Impl {
   std::uint64_t held = 0;
   int newestRound = 0;
   int refused = 0;
+  std::map<int, KeeperStats::Newest> newest;  // local pieces only
   struct Stream {
     Fd fd;
     std::thread thread;
@@ -161,6 +162,7 @@ struct SnapshotKeeper::Impl {
       drop(oldest);
     }
     held += p.bytes;
+    if (!p.peer) newest[p.rank] = {p.step, std::chrono::system_clock::now()};
     log::debug("snapshot keeper: holding the {}", describe(p));
     pieces.push_back(std::move(p));
     return "";
@@ -493,7 +495,7 @@ std::string SnapshotKeeper::peerEndpoint() const {
 
 KeeperStats SnapshotKeeper::stats() const {
   std::scoped_lock lock(impl_->mutex);
-  return {impl_->held, static_cast<int>(impl_->pieces.size()), impl_->refused};
+  return {impl_->held, static_cast<int>(impl_->pieces.size()), impl_->refused, impl_->newest};
 }
 
 }  // namespace fsdp::launcher

@@ -55,6 +55,10 @@ TEST(ParseCommandLine, BadValuesNameTheFlag) {
       {{"--hang_timeout", "-5", "p"}, "--hang_timeout '-5'"},
       {{"--hang_timeout", "nan", "p"}, "--hang_timeout 'nan'"},
       {{"--max_stalled_restarts", "x", "p"}, "--max_stalled_restarts 'x'"},
+      {{"--metrics_port", "70000", "p"}, "--metrics_port '70000': expected a TCP port, 0 to 65535"},
+      {{"--metrics-port", "-1", "p"}, "--metrics_port '-1'"},
+      {{"--metrics_port", "web", "p"}, "--metrics_port 'web'"},
+      {{"--metrics_addr", "", "--metrics_port", "9400", "p"}, "--metrics_addr ''"},
       {{}, "PROGRAM"},
   };
   for (const auto& [args, mention] : cases) {
@@ -65,6 +69,15 @@ TEST(ParseCommandLine, BadValuesNameTheFlag) {
       EXPECT_NE(std::string(e.what()).find(mention), std::string::npos) << e.what();
     }
   }
+}
+
+TEST(ParseCommandLine, MetricsAreOffByDefaultOnAPortOrAFreeOneAndHaveAPetVariable) {
+  EXPECT_FALSE(parse({"p"}).options->metricsPort);
+  EXPECT_EQ(parse({"--metrics_port", "9400", "p"}).options->metricsPort, 9400);
+  EXPECT_EQ(parse({"--metrics-port", "0", "p"}).options->metricsPort, 0);
+  EXPECT_EQ(parse({"p"}, {{"PET_METRICS_PORT", "9500"}}).options->metricsPort, 9500);
+  EXPECT_EQ(parse({"p"}).options->metricsAddr, "0.0.0.0");
+  EXPECT_EQ(parse({"--metrics_addr", "127.0.0.1", "p"}).options->metricsAddr, "127.0.0.1");
 }
 
 TEST(ParseCommandLine, HangTimeoutIsAutoSecondsOrOffAndHasAPetVariable) {

@@ -2,7 +2,9 @@
 #include <sys/prctl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <limits>
 #include <cstring>
 #include <string>
 
@@ -51,6 +53,9 @@ FlightRecorder::FlightRecorder() {
   }
   if (!ring_) ring_ = flight::RingMemory::anonymous();
   writer_.emplace(*ring_);
+  const char* timing = std::getenv("FSDPRUN_STEP_TIMING");
+  timingOn_ = timing == nullptr || std::string(timing) != "0";
+  timing_.loss = std::numeric_limits<double>::quiet_NaN();
 }
 
 FlightRecorder& FlightRecorder::process() {
@@ -64,20 +69,120 @@ void FlightRecorder::attach(int rank) {
 
 std::uint64_t FlightRecorder::issue(const flight::Writer::Issue& what, bool started) {
   if (!writer_) return 0;
-  std::scoped_lock lock(mutex_);
-  return writer_->issue(what, started);
+  std::uint64_t index = 0;
+  {
+    std::scoped_lock lock(mutex_);
+    index = writer_->issue(what, started);
+  }
+  if (started) beginWait(index);
+  return index;
 }
 
 void FlightRecorder::start(std::uint64_t index) {
-  if (writer_) writer_->start(index);
+  if (!writer_) return;
+  writer_->start(index);
+  beginWait(index);
 }
 
 void FlightRecorder::complete(std::uint64_t index, bool ok) {
-  if (writer_) writer_->complete(index, ok);
+  if (!writer_) return;
+  writer_->complete(index, ok);
+  endWait(index);
+}
+
+// Waiting in collectives: the union of the intervals from start to completion, counted as the
+// time at least one collective is in flight (overlapping collectives of several groups count
+// once).
+void FlightRecorder::beginWait(std::uint64_t index) {
+  if (!timingOn_) return;
+  std::scoped_lock lock(timingMutex_);
+  if (std::find(inFlight_.begin(), inFlight_.end(), index) != inFlight_.end()) return;
+  if (inFlight_.empty()) busySince_ = flight::nowNs();
+  inFlight_.push_back(index);
+}
+
+void FlightRecorder::endWait(std::uint64_t index) {
+  if (!timingOn_) return;
+  std::scoped_lock lock(timingMutex_);
+  const auto it = std::find(inFlight_.begin(), inFlight_.end(), index);
+  if (it == inFlight_.end()) return;  // told twice (the watcher and the caller's wait)
+  inFlight_.erase(it);
+  if (inFlight_.empty()) rawWaitNs_ += flight::nowNs() - busySince_;
+}
+
+void FlightRecorder::addDataWait(std::int64_t ns) {
+  if (!timing()) return;
+  std::scoped_lock lock(timingMutex_);
+  rawDataNs_ += ns;
+}
+
+void FlightRecorder::addBytes(std::int64_t bytes) {
+  if (writer_) writer_->addBytes(bytes);
+}
+
+void FlightRecorder::reportStep(std::int64_t samples, std::int64_t tokens, double loss) {
+  if (!timing()) return;
+  std::scoped_lock lock(timingMutex_);
+  timing_.samples += samples;
+  timing_.tokens += tokens;
+  timing_.loss = loss;
+}
+
+void FlightRecorder::setStepObserver(std::function<void(const StepSplit&)> observer) {
+  std::scoped_lock lock(timingMutex_);
+  observer_ = std::move(observer);
+}
+
+void FlightRecorder::setStraggler(double factor) {
+  if (!timing()) return;
+  std::scoped_lock lock(timingMutex_);
+  timing_.straggler = factor;
 }
 
 void FlightRecorder::markProgress(std::int64_t step, std::string_view what) {
-  if (writer_) writer_->markProgress(step, what);
+  if (!writer_) return;
+  writer_->markProgress(step, what);
+  if (!timingOn_ || step < 0) return;
+  StepSplit split;
+  {
+    // A step counts once: the same step marked again (Snapshotter::save after the Trainer's or
+    // the program's own mark) is activity.
+    std::scoped_lock lock(timingMutex_);
+    if (lastMarkNs_ != 0 && step == lastStep_) return;
+    lastStep_ = step;
+  }
+  std::function<void(const StepSplit&)> observer;
+  {
+    std::scoped_lock lock(timingMutex_);
+    const std::int64_t now = flight::nowNs();
+    if (!inFlight_.empty()) {  // the part of a wait in progress belongs to this step
+      rawWaitNs_ += now - busySince_;
+      busySince_ = now;
+    }
+    // The totals count marked steps only: what came before the first mark (start-up, a
+    // restore) is no step's.
+    if (lastMarkNs_ != 0) {
+      auto& t = timing_;
+      t.lastStepNs = now - lastMarkNs_;
+      t.lastDataNs = std::min(rawDataNs_ - dataAtMark_, t.lastStepNs);
+      t.lastWaitNs = std::min(rawWaitNs_ - waitAtMark_, t.lastStepNs - t.lastDataNs);
+      t.lastSamples = t.samples - samplesAtMark_;
+      t.lastTokens = t.tokens - tokensAtMark_;
+      t.stepNs += t.lastStepNs;
+      t.waitNs += t.lastWaitNs;
+      t.dataNs += t.lastDataNs;
+      ++t.steps;
+      split = {step, t.lastStepNs, t.lastWaitNs, t.lastDataNs};
+      observer = observer_;
+    }
+    waitAtMark_ = rawWaitNs_;
+    dataAtMark_ = rawDataNs_;
+    samplesAtMark_ = timing_.samples;
+    tokensAtMark_ = timing_.tokens;
+    lastMarkNs_ = now;
+    writer_->publishTiming(timing_);
+  }
+  if (observer) observer(split);
 }
 
 void FlightRecorder::enterLongOperation() {
@@ -103,6 +208,13 @@ flight::Reading FlightRecorder::read(std::size_t last) const {
 void markProgress(std::int64_t step, std::string_view what) {
   detail::FlightRecorder::process().markProgress(step, what);
 }
+
+void reportStep(std::int64_t samples, std::int64_t tokens, double loss) {
+  detail::FlightRecorder::process().reportStep(samples, tokens, loss);
+}
+
+DataWait::DataWait() : startNs_(flight::nowNs()) {}
+DataWait::~DataWait() { detail::FlightRecorder::process().addDataWait(flight::nowNs() - startNs_); }
 
 LongOperation::LongOperation() { detail::FlightRecorder::process().enterLongOperation(); }
 LongOperation::~LongOperation() { detail::FlightRecorder::process().leaveLongOperation(); }

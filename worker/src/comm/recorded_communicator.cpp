@@ -73,6 +73,7 @@ class RecordedCommunicator final : public Communicator {
                                .tag = currentCommTag()},
                               pending_.empty());
     }
+    if (defined) recorder_.addBytes(static_cast<std::int64_t>(sized.numel()) * static_cast<std::int64_t>(sized.element_size()));
     Work work = [&] {
       try {
         return issueFn();

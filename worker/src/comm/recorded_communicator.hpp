@@ -4,10 +4,12 @@
 // owns into it. Private to libfsdp.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "fsdp/common/flight_ring.hpp"
 #include "fsdp/worker/communicator.hpp"
@@ -28,6 +30,21 @@ class FlightRecorder {
   void start(std::uint64_t index);
   void complete(std::uint64_t index, bool ok);
   void markProgress(std::int64_t step, std::string_view what);
+  // Step timing (off with FSDPRUN_STEP_TIMING=0): the figures of the step about to be marked,
+  // time spent waiting for data, and what each step mark hands the straggler monitor.
+  void reportStep(std::int64_t samples, std::int64_t tokens, double loss);
+  void addDataWait(std::int64_t ns);
+  void addBytes(std::int64_t bytes);
+  bool timing() const { return writer_.has_value() && timingOn_; }
+  struct StepSplit {
+    std::int64_t step = 0;
+    std::int64_t stepNs = 0, waitNs = 0, dataNs = 0;
+  };
+  // Called (on the marking thread, outside the recorder's locks) after every step mark; returns
+  // nothing. Replaces the one before; an empty function removes it.
+  void setStepObserver(std::function<void(const StepSplit&)> observer);
+  // The straggler factor the monitor found for this rank (published with the next step).
+  void setStraggler(double factor);
   void enterLongOperation();
   void leaveLongOperation();
   // Collectives recorded so far by this process (0 when off).
@@ -41,6 +58,19 @@ class FlightRecorder {
   std::optional<flight::Writer> writer_;
   std::mutex mutex_;  // issue() from several threads (the training thread, a checkpoint thread)
   int longOperations_ = 0;  // under mutex_
+  // Step timing, under timingMutex_ (collectives start and complete on the backends' threads).
+  bool timingOn_ = true;
+  std::mutex timingMutex_;
+  std::vector<std::uint64_t> inFlight_;  // started, not completed
+  std::int64_t busySince_ = 0;           // when inFlight_ last became non-empty
+  std::int64_t lastMarkNs_ = 0;
+  std::int64_t lastStep_ = -1;
+  std::int64_t rawWaitNs_ = 0, rawDataNs_ = 0;  // since the start, marked or not
+  std::int64_t waitAtMark_ = 0, dataAtMark_ = 0, samplesAtMark_ = 0, tokensAtMark_ = 0;
+  flight::StepTiming timing_;
+  std::function<void(const StepSplit&)> observer_;  // under timingMutex_; called outside it
+  void beginWait(std::uint64_t index);
+  void endWait(std::uint64_t index);
 };
 
 // This thread's CommTag text ("" when none).

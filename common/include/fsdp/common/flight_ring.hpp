@@ -14,6 +14,7 @@
 // Thread-safety: one writer thread per slot at a time (the recorder serialises issue()); any
 // number of readers, in any process.
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -25,7 +26,7 @@
 namespace fsdp::flight {
 
 constexpr std::uint64_t kMagic = 0x31544c4650445346ull;  // "FSDPFLT1"
-constexpr std::uint32_t kVersion = 2;
+constexpr std::uint32_t kVersion = 3;
 constexpr std::uint32_t kDefaultCapacity = 4096;
 
 enum class Op : std::uint8_t { kNone = 0, kAllReduce, kAllGather, kReduceScatter, kBroadcast, kBarrier };
@@ -49,6 +50,25 @@ struct alignas(64) Header {
   std::atomic<std::int64_t> lastCompletedNs;  // the newest completion of any collective
   std::atomic<std::int64_t> busySinceNs;    // inside a LongOperation since then (0: not)
   char progressWhat[24];                    // who marked last ("trainer step", ...)
+  // Step timing (version 3), written by the worker at each step mark (markProgress with a step):
+  // running totals since the worker attached, and the split of the last step (mark to mark).
+  // Waiting in collectives is the time with at least one collective in flight (started, not
+  // completed); data is the time the training thread waited for input; compute is the rest.
+  std::atomic<std::int64_t> steps;          // step marks so far
+  std::atomic<std::int64_t> stepNs;         // their total wall time (the first mark starts the clock)
+  std::atomic<std::int64_t> waitNs;
+  std::atomic<std::int64_t> dataNs;
+  std::atomic<std::int64_t> lastStepNs;     // the last step: wall time and its parts
+  std::atomic<std::int64_t> lastWaitNs;
+  std::atomic<std::int64_t> lastDataNs;
+  std::atomic<std::int64_t> bytes;          // bytes of every collective issued (the full tensor)
+  std::atomic<std::int64_t> samples;        // this rank's samples and tokens, as the program reported
+  std::atomic<std::int64_t> tokens;
+  std::atomic<std::int64_t> lastSamples;    // in the last step
+  std::atomic<std::int64_t> lastTokens;
+  std::atomic<double> loss;                 // the last loss reported (NaN: none)
+  std::atomic<double> straggler;            // compute / the median rank's, at the last report (0: none)
+  std::uint8_t reserved[16];
 };
 
 struct alignas(64) Slot {
@@ -67,7 +87,8 @@ struct alignas(64) Slot {
   char tag[48];
 };
 static_assert(sizeof(Slot) == 192);
-static_assert(sizeof(Header) == 128);
+static_assert(sizeof(Header) == 256);
+static_assert(std::atomic<double>::is_always_lock_free);
 
 // The bytes a ring of `capacity` slots takes.
 std::size_t ringBytes(std::uint32_t capacity);
@@ -89,6 +110,19 @@ struct Record {
   SlotState state = SlotState::kEmpty;
 };
 
+// A worker's step timing and throughput as its ring says (Header, version 3).
+struct StepTiming {
+  std::int64_t steps = 0;
+  std::int64_t stepNs = 0, waitNs = 0, dataNs = 0;              // totals
+  std::int64_t lastStepNs = 0, lastWaitNs = 0, lastDataNs = 0;  // the last step
+  std::int64_t bytes = 0, samples = 0, tokens = 0;
+  std::int64_t lastSamples = 0, lastTokens = 0;
+  double loss = 0;       // NaN: none reported
+  double straggler = 0;  // 0: no report yet
+  std::int64_t computeNs() const { return std::max<std::int64_t>(0, stepNs - waitNs - dataNs); }
+  std::int64_t lastComputeNs() const { return std::max<std::int64_t>(0, lastStepNs - lastWaitNs - lastDataNs); }
+};
+
 struct Progress {
   std::int64_t count = 0;
   std::int64_t step = -1;
@@ -108,6 +142,7 @@ struct Reading {
   std::int64_t lastCompletedNs = 0;
   std::uint64_t issued = 0;   // collectives ever issued
   Progress progress;
+  StepTiming timing;
   std::vector<Record> records;  // oldest first; torn or overwritten slots left out
 };
 
@@ -168,6 +203,9 @@ class Writer {
   void complete(std::uint64_t index, bool ok);
   // A negative `step` marks activity and keeps the step last marked.
   void markProgress(std::int64_t step, std::string_view what);
+  // Publishes the step timing (the writer keeps the running figures; see FlightRecorder).
+  void publishTiming(const StepTiming& timing);
+  void addBytes(std::int64_t bytes);
   // Enters (true) or leaves (false) a long operation that makes no collective or mark.
   void setBusy(bool busy);
 

@@ -47,6 +47,9 @@ struct LaunchOptions {
   std::chrono::milliseconds shutdownTimeout{30000};
   // --hang_timeout: nullopt = auto (adapts to the job, see the flag's help); 0 = off.
   std::optional<std::chrono::milliseconds> hangTimeout;
+  // --metrics_port: serve Prometheus /metrics there (0: a free port); nullopt: off.
+  std::optional<int> metricsPort;
+  std::string metricsAddr = "0.0.0.0";
   // Restarts in a row without a completed step before the job gives up (0: no limit).
   int maxStalledRestarts = 3;
   // Bytes of in-memory snapshots this node's agent may hold (0: none kept).

@@ -32,6 +32,8 @@
 
 #include <atomic>
 #include <cstdint>
+#include <chrono>
+#include <map>
 #include <memory>
 #include <string>
 
@@ -48,6 +50,12 @@ struct KeeperStats {
   std::uint64_t bytesHeld = 0;
   int piecesHeld = 0;
   int refused = 0;
+  // Per global rank of this node's workers: the step of the newest snapshot received, and when.
+  struct Newest {
+    std::int64_t step = 0;
+    std::chrono::system_clock::time_point at;
+  };
+  std::map<int, Newest> newest;
 };
 
 class SnapshotKeeper {

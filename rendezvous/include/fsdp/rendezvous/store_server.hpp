@@ -11,6 +11,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "fsdp/rendezvous/protocol.hpp"
 
@@ -57,6 +58,18 @@ struct ServerStats {
   std::uint64_t queuedBytes = 0;         // replies and events written to no socket yet
   std::uint64_t queuedBytesPeak = 0;     // the most queuedBytes has been
   std::uint64_t runs = 0;  // runs held now
+  // Per run held now (for /metrics).
+  struct Run {
+    std::string id;
+    int round = -1;            // the newest round formed (-1: none yet)
+    int restarts = 0;          // rounds ended by a failure
+    std::size_t members = 0;   // agents in the round that runs
+    std::size_t waiting = 0;   // agents waiting to join (spares included)
+    std::size_t sessions = 0;  // store clients of the run (agents, proxies' streams, workers)
+    std::size_t keys = 0;
+    std::size_t keyBytes = 0;
+  };
+  std::vector<Run> perRun;
 };
 
 class StoreServer {

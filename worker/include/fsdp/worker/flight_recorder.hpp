@@ -18,6 +18,7 @@
 // the recorder is off (FSDPRUN_FLIGHT_RECORDER=0).
 
 #include <cstdint>
+#include <limits>
 #include <string_view>
 
 namespace fsdp::worker {
@@ -26,6 +27,25 @@ namespace fsdp::worker {
 // ("step" by default; the Trainer says "trainer step"), up to 23 characters. A negative step
 // marks activity (an evaluation batch) and keeps the step last marked.
 void markProgress(std::int64_t step, std::string_view what = "step");
+
+// The figures of the step about to be marked, for the agent's /metrics: this rank's samples and
+// tokens in it and its loss (NaN: none). fsdp::Trainer reports them itself; a hand-written loop
+// calls it before markProgress().
+void reportStep(std::int64_t samples, std::int64_t tokens = 0,
+                double loss = std::numeric_limits<double>::quiet_NaN());
+
+// While alive, the training thread waits for input data: the step split counts that time as
+// data, not compute. fsdp::DataLoader::next() does this itself.
+class DataWait {
+ public:
+  DataWait();
+  ~DataWait();
+  DataWait(const DataWait&) = delete;
+  DataWait& operator=(const DataWait&) = delete;
+
+ private:
+  std::int64_t startNs_;
+};
 
 // While alive, this rank is busy, not stalled: for long work that issues no collective and
 // marks nothing (a checkpoint written synchronously). Nests; any thread.
@@ -55,6 +75,8 @@ class CommTag {
 
 namespace fsdp {
 using worker::CommTag;
+using worker::DataWait;
+using worker::reportStep;
 using worker::LongOperation;
 using worker::markProgress;
 }  // namespace fsdp

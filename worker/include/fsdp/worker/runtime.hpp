@@ -88,6 +88,13 @@ struct InitOptions {
   Backend backend = Backend::kAuto;
 };
 
+class Runtime;
+namespace detail {
+class StragglerMonitor;
+// fsdp::init(): starts the straggler reports of this runtime (stats/straggler.hpp).
+void startStragglerMonitor(Runtime& runtime, const std::string& token);
+}  // namespace detail
+
 // The worker's connection to its job. Owns the store client and the communicator.
 class Runtime {
  public:
@@ -122,6 +129,8 @@ class Runtime {
   std::unique_ptr<Communicator> comm_;
   std::unique_ptr<Communicator> cpuComm_;
   Backend backend_ = Backend::kGloo;
+  std::shared_ptr<detail::StragglerMonitor> stragglers_;
+  friend void detail::startStragglerMonitor(Runtime& runtime, const std::string& token);
 };
 
 // Reads the environment, connects, picks the backend (chooseBackend) and builds the
