@@ -45,44 +45,31 @@ bool isValidLabelName(std::string_view name) {
   return true;
 }
 
-std::string escapeLabelValue(std::string_view value) {
+namespace {
+
+// Backslash and newline escaped; double quotes too in label values (HELP text keeps them).
+std::string escape(std::string_view text, bool quotes) {
   std::string out;
-  out.reserve(value.size());
-  for (const char c : value) {
-    switch (c) {
-      case '\\':
-        out += "\\\\";
-        break;
-      case '"':
-        out += "\\\"";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      default:
-        out += c;
+  out.reserve(text.size());
+  for (const char c : text) {
+    if (c == '\\') {
+      out += "\\\\";
+    } else if (c == '\n') {
+      out += "\\n";
+    } else if (c == '"' && quotes) {
+      out += "\\\"";
+    } else {
+      out += c;
     }
   }
   return out;
 }
 
-std::string escapeHelp(std::string_view help) {
-  std::string out;
-  out.reserve(help.size());
-  for (const char c : help) {
-    switch (c) {
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      default:
-        out += c;
-    }
-  }
-  return out;
-}
+}  // namespace
+
+std::string escapeLabelValue(std::string_view value) { return escape(value, true); }
+
+std::string escapeHelp(std::string_view help) { return escape(help, false); }
 
 std::string formatValue(double value) {
   if (std::isnan(value)) return "NaN";

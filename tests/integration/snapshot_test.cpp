@@ -26,6 +26,7 @@ namespace {
 namespace fs = std::filesystem;
 using fsdp::testing::readFile;
 using fsdp::testing::runCommand;
+using fsdp::testing::metricsLines;
 using fsdp::testing::summaryOf;
 using fsdp::testing::TempDir;
 using nlohmann::json;
@@ -37,16 +38,6 @@ constexpr int kSteps = 40;
 
 bool haveData() { return fs::exists(kData); }
 
-std::vector<json> metricsLines(const std::string& path) {
-  std::vector<json> lines;
-  std::ifstream in(path);
-  std::string line;
-  while (std::getline(in, line)) {
-    auto j = json::parse(line, nullptr, false);
-    if (j.is_object()) lines.push_back(std::move(j));
-  }
-  return lines;
-}
 
 // A run id of its own, so that what the job leaves behind can be found by name.
 std::string uniqueRunId(const std::string& what) {

@@ -25,7 +25,7 @@ using fsdp::testing::runCommand;
 using fsdp::testing::summaryOf;
 using fsdp::testing::nodes::aroundKill;
 using fsdp::testing::nodes::kBin;
-using fsdp::testing::nodes::metricsLines;
+using fsdp::testing::metricsLines;
 using fsdp::testing::nodes::mnist;
 using fsdp::testing::nodes::NodeJob;
 using fsdp::testing::nodes::survivorsSucceed;

@@ -39,17 +39,6 @@ inline const std::string kData = "/usr/share/datasets/fashion-mnist";
 
 inline bool haveData() { return std::filesystem::exists(kData); }
 
-// The JSON lines of a metrics file (a partial last line is skipped).
-inline std::vector<nlohmann::json> metricsLines(const std::string& path) {
-  std::vector<nlohmann::json> lines;
-  std::ifstream in(path);
-  std::string line;
-  while (std::getline(in, line)) {
-    auto j = nlohmann::json::parse(line, nullptr, false);
-    if (j.is_object()) lines.push_back(std::move(j));
-  }
-  return lines;
-}
 
 // The newest "train" step in a metrics file; -1 when none.
 inline long long lastTrainStep(const std::string& metricsPath) {

@@ -16,10 +16,12 @@
 #include "fsdp/common/process.hpp"
 #include "processes.hpp"
 #include "run_command.hpp"
+#include "summary_line.hpp"
 
 namespace {
 
 namespace fs = std::filesystem;
+using fsdp::testing::metricsLines;
 using fsdp::testing::readFile;
 using fsdp::testing::TempDir;
 using nlohmann::json;
@@ -29,17 +31,6 @@ const std::string kBin = FSDP_BIN_DIR;
 const std::string kData = "/usr/share/datasets/fashion-mnist";
 constexpr int kSlowRank = 2;
 
-// The JSONL metrics lines written so far.
-std::vector<json> metricsLines(const std::string& path) {
-  std::vector<json> lines;
-  std::ifstream in(path);
-  std::string line;
-  while (std::getline(in, line)) {
-    auto j = json::parse(line, nullptr, false);
-    if (!j.is_discarded()) lines.push_back(std::move(j));
-  }
-  return lines;
-}
 
 // Polls the metrics file (it is the job's own record; 50 ms between looks) until `found` holds
 // or the job exits or `limit` passes.

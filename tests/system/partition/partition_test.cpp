@@ -41,7 +41,7 @@ using fsdp::testing::netns::NamespaceNetwork;
 using fsdp::testing::nodes::environmentValue;
 using fsdp::testing::nodes::kBin;
 using fsdp::testing::nodes::lastTrainStep;
-using fsdp::testing::nodes::metricsLines;
+using fsdp::testing::metricsLines;
 using fsdp::testing::nodes::mnist;
 using fsdp::testing::nodes::parentOf;
 using fsdp::testing::nodes::uniqueRunId;
