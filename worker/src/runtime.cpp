@@ -153,11 +153,12 @@ Runtime::Runtime(WorkerEnv env, std::unique_ptr<rendezvous::StoreClient> store,
 
 // The communicators (and their threads) go before the store client they were built over.
 Runtime::~Runtime() {
-  if (stragglers_) {
+  // The step observer is the process's: a newer runtime's stays.
+  if (stragglers_ && detail::StragglerMonitor::active() == stragglers_) {
     detail::FlightRecorder::process().setStepObserver({});
-    if (detail::StragglerMonitor::active() == stragglers_) detail::StragglerMonitor::setActive(nullptr);
-    stragglers_.reset();
+    detail::StragglerMonitor::setActive(nullptr);
   }
+  stragglers_.reset();
   comm_.reset();
   cpuComm_.reset();
 }
