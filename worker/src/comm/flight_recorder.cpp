@@ -144,16 +144,13 @@ void FlightRecorder::markProgress(std::int64_t step, std::string_view what) {
   writer_->markProgress(step, what);
   if (!timingOn_ || step < 0) return;
   StepSplit split;
-  {
-    // A step counts once: the same step marked again (Snapshotter::save after the Trainer's or
-    // the program's own mark) is activity.
-    std::scoped_lock lock(timingMutex_);
-    if (lastMarkNs_ != 0 && step == lastStep_) return;
-    lastStep_ = step;
-  }
   std::function<void(const StepSplit&)> observer;
   {
     std::scoped_lock lock(timingMutex_);
+    // A step counts once: the same step marked again (Snapshotter::save after the Trainer's or
+    // the program's own mark) is activity.
+    if (lastMarkNs_ != 0 && step == lastStep_) return;
+    lastStep_ = step;
     const std::int64_t now = flight::nowNs();
     if (!inFlight_.empty()) {  // the part of a wait in progress belongs to this step
       rawWaitNs_ += now - busySince_;
