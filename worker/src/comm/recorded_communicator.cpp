@@ -31,9 +31,9 @@ class RecordedCommunicator final : public Communicator {
     }
     wake_.notify_one();
     if (watcher_.joinable()) watcher_.join();
-    // What the backend abandoned never completes: recorded as failed, so that it is no longer
-    // in flight (the step split would count every later step as waiting).
-    for (const auto& [index, work] : pending_) recorder_.complete(index, false);
+    // What the backend abandoned never completes (its record says so), and is no longer in
+    // flight for the step split, which would count every later step as waiting.
+    for (const auto& [index, work] : pending_) recorder_.abandon(index);
   }
 
   int rank() const override { return inner_->rank(); }

@@ -29,6 +29,9 @@ class FlightRecorder {
   std::uint64_t issue(const flight::Writer::Issue& what, bool started);
   void start(std::uint64_t index);
   void complete(std::uint64_t index, bool ok);
+  // A collective that will never complete (its backend went): its record stays as it is, and
+  // the step split stops counting it as in flight.
+  void abandon(std::uint64_t index) { endWait(index); }
   void markProgress(std::int64_t step, std::string_view what);
   // Step timing (off with FSDPRUN_STEP_TIMING=0): the figures of the step about to be marked,
   // time spent waiting for data, and what each step mark hands the straggler monitor.
