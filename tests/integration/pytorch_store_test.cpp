@@ -1,5 +1,6 @@
-// PyTorch's own store clients against fsdprun-rdzv: LibTorch 1.13's c10d::TCPStore (C++) and
-// python3-torch's torch.distributed.TCPStore, over loopback.
+// PyTorch against fsdprun: its own store clients against fsdprun-rdzv (LibTorch 1.13's
+// c10d::TCPStore in C++, python3-torch's torch.distributed.TCPStore, over loopback), and a
+// PyTorch DDP script under fsdprun.
 #include <gtest/gtest.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -249,33 +250,40 @@ TEST(PytorchStore, WatchKeyBytesAreThoseOfC10dsOwnServer) {
   EXPECT_EQ(ours, theirs);
 }
 
-TEST(PytorchStore, PythonTcpStoreClientDoesEveryOperation) {
-  const auto probe = fsdp::testing::runCommand({"/usr/bin/python3", "-c", "import torch"}, 60s);
-  if (probe.exitCode != 0) GTEST_SKIP() << "python3-torch is not installed";
+// The python3 that has torch (Debian's; a pyenv or venv first on PATH may have none).
+constexpr const char* kPython = "/usr/bin/python3";
+const std::string kPythonDir = std::string(FSDP_SOURCE_DIR) + "/tests/integration/python/";
+
+bool havePythonTorch() {
+  return fsdp::testing::runCommand({kPython, "-c", "import torch"}, 60s).exitCode == 0;
+}
+
+// tests/integration/python/store_client.py runs every operation its PyTorch's client has,
+// first against that PyTorch's own server, then against ours, and names any that differs
+// (scripts/gpu-check runs it with PyTorch 2.x, libuv and classic).
+TEST(PytorchStore, PythonTcpStoreClientDoesEveryOperationAsPytorchsOwnServerDoes) {
+  if (!havePythonTorch()) GTEST_SKIP() << "python3-torch is not installed";
   fsdp::testing::RdzvDaemon daemon;
-  const std::string script = R"(
-import sys, datetime
-import torch.distributed as dist
-s = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 2, False, timeout=datetime.timedelta(seconds=10))
-s.set("k", "v1")
-assert s.get("k") == b"v1", s.get("k")
-assert s.add("c", 5) == 5 and s.add("c", 2) == 7
-assert s.compare_set("k", "v1", "v2") == b"v2"
-assert s.compare_set("k", "zz", "v3") == b"v2"
-s.wait(["k", "c"])
-try:
-    s.wait(["missing"], datetime.timedelta(milliseconds=200))
-    raise SystemExit("wait did not time out")
-except RuntimeError:
-    pass
-assert s.num_keys() == 3, s.num_keys()   # init/, k, c
-assert s.delete_key("k") and not s.delete_key("k")
-print("python TCPStore ok")
-)";
-  const auto r = fsdp::testing::runCommand(
-      {"/usr/bin/python3", "-c", script, std::to_string(daemon.port())}, 60s);
+  const auto r = fsdp::testing::runCommand({kPython, kPythonDir + "store_client.py", "127.0.0.1",
+                                            std::to_string(daemon.port()), "--compare"},
+                                           60s);
   EXPECT_EQ(r.exitCode, 0) << r.out << r.err;
-  EXPECT_NE(r.out.find("python TCPStore ok"), std::string::npos) << r.err;
+  EXPECT_NE(r.out.find("python TCPStore ok"), std::string::npos) << r.out << r.err;
+  EXPECT_NE(r.out.find("same as PyTorch's own server"), std::string::npos) << r.out;
+}
+
+// A plain DDP script (env:// init, Gloo) under fsdprun, 3 ranks: every rank ends with the
+// parameters one process gets on the whole batch (the script checks; rank 0 prints the diff).
+TEST(PytorchDdp, AScriptUnderFsdprunTrainsAsOneProcessOnTheWholeBatch) {
+  if (!havePythonTorch()) GTEST_SKIP() << "python3-torch is not installed";
+  const auto r = fsdp::testing::runCommand(
+      {std::string(FSDP_BIN_DIR) + "/fsdprun", "--standalone", "--nproc_per_node", "3",
+       kPythonDir + "ddp_train.py", "--steps", "12", "--per_rank", "5"},
+      120s, {std::string("PYTHON_EXEC=") + kPython});
+  ASSERT_FALSE(r.timedOut) << r.out << r.err;
+  EXPECT_EQ(r.exitCode, 0) << r.out << r.err;
+  EXPECT_EQ(fsdp::testing::countOccurrences(r.out, " of 3: ddp ok"), 3) << r.out << r.err;
+  EXPECT_NE(r.out.find("one process on the whole batch: max |diff|"), std::string::npos) << r.out;
 }
 
 }  // namespace
