@@ -142,4 +142,25 @@ TEST(RecordedCommunicator, DestroyedWithQueuedWorkItEndsWithoutWaitingForIt) {
   EXPECT_EQ(recordsOf("test.teardown").at(0).state, SlotState::kIssued);
 }
 
+// What the backend abandoned stays "issued" in its record (above) but leaves the step split's
+// in-flight set: a later step is compute, not waiting in a collective that will never end.
+TEST(RecordedCommunicator, DestroyedWithQueuedWorkLeavesNothingInFlightForTheStepSplit) {
+  auto& recorder = fsdp::worker::detail::FlightRecorder::process();
+  if (!recorder.timing()) GTEST_SKIP() << "step timing is off (FSDPRUN_STEP_TIMING=0)";
+  auto fake = std::make_unique<FakeCommunicator>();
+  fake->next = [] { return Work([] {}, [] { return false; }); };
+  auto comm = fsdp::worker::detail::recordCollectives(std::move(fake), "test.abandon");
+  comm->allReduce(at::ones({1}), ReduceOp::kSum);
+  comm.reset();
+  markProgress(700);
+  const auto until = fsdp::flight::nowNs() + 5'000'000;
+  while (fsdp::flight::nowNs() < until) {
+  }
+  markProgress(701);
+  const auto t = recorder.read(0).timing;
+  EXPECT_GE(t.lastStepNs, 5'000'000);
+  EXPECT_EQ(t.lastWaitNs, 0);
+  EXPECT_EQ(t.lastComputeNs(), t.lastStepNs);
+}
+
 }  // namespace
