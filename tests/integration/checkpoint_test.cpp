@@ -233,9 +233,7 @@ TEST(CheckpointSave, SigusrOneToTheLauncherMakesEveryRankCheckpointAndGoOn) {
 
 TEST(FullCheckpoint, ConsolidatedLoadsInPythonAndGivesTheSameTestAccuracy) {
   if (!haveData()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
-  if (runCommand({"/usr/bin/python3", "-c", "import torch"}, 60s).exitCode != 0) {
-    GTEST_SKIP() << "python3-torch is not installed";
-  }
+  if (!fsdp::testing::systemPythonHasTorch()) GTEST_SKIP() << "python3-torch is not installed";
   TempDir dir;
   const auto r = runCommand({kBin + "/fsdprun", "--nproc_per_node", "2", kBin + "/mnist", "--max_steps", "30",
                              "--checkpoint_dir", dir.path(), "--progress", "none"},
@@ -244,7 +242,7 @@ TEST(FullCheckpoint, ConsolidatedLoadsInPythonAndGivesTheSameTestAccuracy) {
   const double ours = summaryOf(r.out).value("test_accuracy", -1.0);
   const auto consolidate = runCommand({kBin + "/fsdp-ckpt", "consolidate", dir.path(), dir.path() + "/full.pt"}, 60s);
   ASSERT_EQ(consolidate.exitCode, 0) << consolidate.err;
-  const auto python = runCommand({"/usr/bin/python3", std::string(FSDP_SOURCE_DIR) + "/tests/integration/python/mnist_eval.py",
+  const auto python = runCommand({fsdp::testing::kSystemPython, std::string(FSDP_SOURCE_DIR) + "/tests/integration/python/mnist_eval.py",
                                   dir.path() + "/full.pt"},
                                  300s);
   ASSERT_EQ(python.exitCode, 0) << python.err;

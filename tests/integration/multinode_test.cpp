@@ -350,10 +350,7 @@ TEST(MultiNode, AgentsThatDisagreeOnTheNodeCountAreRefused) {
 // A plain PyTorch program (env:// init, Gloo) under fsdprun, 2 agents x 2 workers.
 void runPytorchJob(const std::string& runId, std::vector<std::string> extraFlags,
                    const std::string& expectAgentStore) {
-  if (::access("/usr/bin/python3", X_OK) != 0 ||
-      fsdp::testing::runCommand({"/usr/bin/python3", "-c", "import torch.distributed"}, 60s).exitCode != 0) {
-    GTEST_SKIP() << "python3-torch is not installed";
-  }
+  if (!fsdp::testing::systemPythonHasTorch()) GTEST_SKIP() << "python3-torch is not installed";
   TempDir dir;
   const int port = fsdp::testing::freeLoopbackPort();
   std::vector<std::unique_ptr<Agent>> agents;
@@ -363,7 +360,7 @@ void runPytorchJob(const std::string& runId, std::vector<std::string> extraFlags
     agents.push_back(std::make_unique<Agent>(
         dir, "agent" + std::to_string(node),
         withCommand(jobArgs("2", port, runId, node, flags), {kPythonWorker}),
-        std::vector<std::string>{"PYTHON_EXEC=/usr/bin/python3"}));
+        std::vector<std::string>{std::string("PYTHON_EXEC=") + fsdp::testing::kSystemPython}));
   }
   for (auto& a : agents) {
     const auto code = a->wait(120s);
@@ -390,10 +387,7 @@ TEST(PytorchPrograms, WithAJobTokenRankZeroHostsItsOwnStoreOnAFreePort) {
 }
 
 TEST(PytorchPrograms, ARoundAfterALostNodeStartsCleanInTheAgentsStore) {
-  if (::access("/usr/bin/python3", X_OK) != 0 ||
-      fsdp::testing::runCommand({"/usr/bin/python3", "-c", "import torch.distributed"}, 60s).exitCode != 0) {
-    GTEST_SKIP() << "python3-torch is not installed";
-  }
+  if (!fsdp::testing::systemPythonHasTorch()) GTEST_SKIP() << "python3-torch is not installed";
   // The round after a lost node keeps TORCHELASTIC_RESTART_COUNT 0, so PyTorch keys the same
   // /worker/attempt_0 prefix: the server must have dropped the first round's keys (the
   // first round's workers initialised their process group before they hung), or the second
@@ -402,7 +396,7 @@ TEST(PytorchPrograms, ARoundAfterALostNodeStartsCleanInTheAgentsStore) {
   const int port = fsdp::testing::freeLoopbackPort();
   auto agents = startThreeNodes(dir, port, "py-lost-node", "last_call_timeout=30",
                                 {kPythonWorker, "--pid_dir", dir.path(), "--hang_if_world", "3", "120"},
-                                {"PYTHON_EXEC=/usr/bin/python3"});
+                                {std::string("PYTHON_EXEC=") + fsdp::testing::kSystemPython});
   const auto pids = fsdp::testing::waitForPidFiles(dir.path(), {"0", "1", "2"}, 60s);
   ASSERT_EQ(pids.size(), 3u) << agents[0]->output();
   agents[2]->signal(SIGKILL);

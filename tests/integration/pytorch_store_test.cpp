@@ -250,23 +250,20 @@ TEST(PytorchStore, WatchKeyBytesAreThoseOfC10dsOwnServer) {
   EXPECT_EQ(ours, theirs);
 }
 
-// The python3 that has torch (Debian's; a pyenv or venv first on PATH may have none).
-constexpr const char* kPython = "/usr/bin/python3";
+using fsdp::testing::kSystemPython;
+using fsdp::testing::systemPythonHasTorch;
 const std::string kPythonDir = std::string(FSDP_SOURCE_DIR) + "/tests/integration/python/";
-
-bool havePythonTorch() {
-  return fsdp::testing::runCommand({kPython, "-c", "import torch"}, 60s).exitCode == 0;
-}
 
 // tests/integration/python/store_client.py runs every operation its PyTorch's client has,
 // first against that PyTorch's own server, then against ours, and names any that differs
 // (scripts/gpu-check runs it with PyTorch 2.x, libuv and classic).
 TEST(PytorchStore, PythonTcpStoreClientDoesEveryOperationAsPytorchsOwnServerDoes) {
-  if (!havePythonTorch()) GTEST_SKIP() << "python3-torch is not installed";
+  if (!systemPythonHasTorch()) GTEST_SKIP() << "python3-torch is not installed";
   fsdp::testing::RdzvDaemon daemon;
-  const auto r = fsdp::testing::runCommand({kPython, kPythonDir + "store_client.py", "127.0.0.1",
-                                            std::to_string(daemon.port()), "--compare"},
-                                           60s);
+  const auto r =
+      fsdp::testing::runCommand({kSystemPython, kPythonDir + "store_client.py", "127.0.0.1",
+                                 std::to_string(daemon.port()), "--compare"},
+                                60s);
   EXPECT_EQ(r.exitCode, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("python TCPStore ok"), std::string::npos) << r.out << r.err;
   EXPECT_NE(r.out.find("same as PyTorch's own server"), std::string::npos) << r.out;
@@ -275,11 +272,11 @@ TEST(PytorchStore, PythonTcpStoreClientDoesEveryOperationAsPytorchsOwnServerDoes
 // A plain DDP script (env:// init, Gloo) under fsdprun, 3 ranks: every rank ends with the
 // parameters one process gets on the whole batch (the script checks; rank 0 prints the diff).
 TEST(PytorchDdp, AScriptUnderFsdprunTrainsAsOneProcessOnTheWholeBatch) {
-  if (!havePythonTorch()) GTEST_SKIP() << "python3-torch is not installed";
+  if (!systemPythonHasTorch()) GTEST_SKIP() << "python3-torch is not installed";
   const auto r = fsdp::testing::runCommand(
       {std::string(FSDP_BIN_DIR) + "/fsdprun", "--standalone", "--nproc_per_node", "3",
        kPythonDir + "ddp_train.py", "--steps", "12", "--per_rank", "5"},
-      120s, {std::string("PYTHON_EXEC=") + kPython});
+      120s, {std::string("PYTHON_EXEC=") + kSystemPython});
   ASSERT_FALSE(r.timedOut) << r.out << r.err;
   EXPECT_EQ(r.exitCode, 0) << r.out << r.err;
   EXPECT_EQ(fsdp::testing::countOccurrences(r.out, " of 3: ddp ok"), 3) << r.out << r.err;

@@ -1,6 +1,7 @@
 #include "run_command.hpp"
 
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -11,6 +12,14 @@
 #include "fsdp/common/process.hpp"
 
 namespace fsdp::testing {
+
+bool systemPythonHasTorch() {
+  using namespace std::chrono_literals;
+  static const bool has =
+      ::access(kSystemPython, X_OK) == 0 &&
+      runCommand({kSystemPython, "-c", "import torch.distributed"}, 60s).exitCode == 0;
+  return has;
+}
 
 TempDir::TempDir() {
   std::string pattern = (std::filesystem::temp_directory_path() / "fsdp-test-XXXXXX").string();
@@ -32,7 +41,8 @@ std::string readFile(const std::string& path) {
 
 int countOccurrences(const std::string& text, const std::string& needle) {
   int count = 0;
-  for (auto pos = text.find(needle); pos != std::string::npos; pos = text.find(needle, pos + needle.size())) {
+  for (auto pos = text.find(needle); pos != std::string::npos;
+       pos = text.find(needle, pos + needle.size())) {
     ++count;
   }
   return count;

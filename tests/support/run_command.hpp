@@ -36,6 +36,11 @@ class TempDir {
 
 std::string readFile(const std::string& path);
 
+// Debian's python3, the one python3-torch installs into (a pyenv or venv first on PATH may have
+// no torch), and whether it can import torch.distributed: the PyTorch tests skip without it.
+inline constexpr const char* kSystemPython = "/usr/bin/python3";
+bool systemPythonHasTorch();
+
 // Number of non-overlapping occurrences of `needle` in `text`.
 int countOccurrences(const std::string& text, const std::string& needle);
 

@@ -132,14 +132,11 @@ TEST(HangWatchdog, RestartsThatNeverGetPastTheFailingStepStopEarly) {
 // A PyTorch script has no flight records: when its own collective timeout fails a rank, the
 // report shows what the node's other workers, still running, were doing.
 TEST(HangPytorch, AScriptWhoseCollectiveTimesOutShowsTheStuckRanksStateAndStacks) {
-  if (::access("/usr/bin/python3", X_OK) != 0 ||
-      runCommand({"/usr/bin/python3", "-c", "import torch.distributed"}, 60s).exitCode != 0) {
-    GTEST_SKIP() << "python3-torch is not installed";
-  }
+  if (!fsdp::testing::systemPythonHasTorch()) GTEST_SKIP() << "python3-torch is not installed";
   const auto r = runCommand({kBin + "/fsdprun", "--nproc_per_node", "2", "--hang_timeout", "5",
                              std::string(FSDP_SOURCE_DIR) + "/tests/integration/python/hang_worker.py", "--timeout",
                              "12"},
-                            180s, {"PYTHON_EXEC=/usr/bin/python3"});
+                            180s, {std::string("PYTHON_EXEC=") + fsdp::testing::kSystemPython});
   EXPECT_EQ(r.exitCode, 1) << r.err;
   EXPECT_NE(r.err.find("rank 0 (local_rank 0"), std::string::npos) << r.err;  // failed first: its timeout
   EXPECT_NE(r.err.find("the other workers of its node, still running then:"), std::string::npos) << r.err;
