@@ -2,8 +2,10 @@
 // hang watchdog at --hang_timeout 5, at its default (auto), and off (the job then waits for the
 // communicator's own timeout, 300 s): seconds from the stall to the report (to the failure, when
 // off), to the state restored and to the first new step, from rank 0's metrics lines and the
-// launcher's log. Then the recorder's cost per DeepNet step: step times with the recorder on and
+// launcher's log; the same for a rank stalled just before a checkpoint save (saveCase). Then the recorder's cost per DeepNet step: step times with the recorder on and
 // off (FSDPRUN_FLIGHT_RECORDER=0), alternating, and the collectives each step records.
+#include <unistd.h>
+
 #include <cstdlib>
 #include <ctime>
 #include <fstream>
@@ -99,6 +101,50 @@ void stallCase(const std::string& which, long long steps, long long stallStep) {
   emit(line);
 }
 
+// A stall before a checkpoint save: tests/integration/hang/stall_worker (a hand-written loop of 3
+// ranks, a save every 3 steps) whose rank 1 spins in its own code just before the save of step
+// `stallStep` (a multiple of 3) while the others wait for it in the save and the next step, at
+// --hang_timeout `timeout`: seconds from the stall to the report, to the restore from the newest
+// checkpoint, and to the first new step. Before, this hang was never reported.
+void saveCase(const std::string& timeout, long long steps, long long stallStep) {
+  RunDir dir;
+  const std::string runId = "bench-hang-save-" + std::to_string(::getpid());
+  const std::string metrics = dir.path() + "/metrics.jsonl";
+  const std::string bin = binDir();
+  const std::vector<std::string> argv = {
+      bin + "/fsdprun", "--nproc_per_node", "3", "--max_restarts", "1", "--rdzv_id", runId, "--hang_timeout",
+      timeout, bin + "/stall_worker", "--dir", dir.path(), "--steps", std::to_string(steps), "--save_every", "3",
+      "--stall_rank", "1", "--stall_at", "save", "--stall_step", std::to_string(stallStep), "--metrics", metrics};
+  nlohmann::json line{{"bench", "hang"}, {"case", "stall_before_save"}, {"hang_timeout", timeout}, {"ranks", 3},
+                      {"program", "stall_worker (hand-written loop, Checkpointer::save every 3 steps)"},
+                      {"stall_before_save_of_step", stallStep}};
+  if (::access((bin + "/stall_worker").c_str(), X_OK) != 0) {
+    line["error"] = bin + "/stall_worker is not built (it is a test program: build with FSDP_BUILD_TESTS=ON)";
+    emit(line);
+    return;
+  }
+  const Launch launch{{argv}, environment(runId, true), runId, metrics};
+  const auto seen = runJob(launch, dir, Kill::kNone, {}, std::chrono::seconds(600));
+  line["finished"] = seen.finished;
+  std::optional<double> stall, resumed, firstStep;
+  for (const auto& l : seen.lines) {
+    const std::string type = l.value("type", "");
+    if (type == "stall" && !stall) stall = l.value("unix_time", 0.0);
+    if (type == "resume" && stall && !resumed) {
+      resumed = l.value("unix_time", 0.0);
+      line["resumed_step"] = l.value("step", 0LL);
+    }
+    if (type == "train" && resumed && !firstStep) firstStep = l.value("unix_time", 0.0);
+  }
+  const auto reported = loggedAt(dir.path() + "/launcher0.err", "the job is hung");
+  if (!seen.error.empty()) line["error"] = seen.error;
+  if (stall && reported) line["stall_to_report_s"] = *reported - *stall;
+  if (stall && resumed) line["stall_to_restored_s"] = *resumed - *stall;
+  if (stall && firstStep) line["stall_to_first_step_s"] = *firstStep - *stall;
+  if (!reported) line["note"] = "no hang report in the launcher's log";
+  emit(line);
+}
+
 void overhead(long long steps, long long reps) {
   NullCommunicator plain;
   auto recorded = worker::detail::recordCollectives(std::make_unique<NullCommunicator>(), "world");
@@ -136,16 +182,21 @@ void hang(const Args& args) {
   const long long steps = args.ints("steps", "20").front();
   const long long stallStep = args.ints("stall_step", "6").front();
   const long long reps = args.ints("reps", "2").front();
-  const auto cases = split(args.str("cases", "5,auto,off,cost"));
+  const auto cases = split(args.str("cases", "5,save,auto,off,cost"));
   for (const auto& c : cases) {
     char* end = nullptr;
     const double seconds = std::strtod(c.c_str(), &end);
-    if (c == "cost" || c == "auto" || c == "off" || (!c.empty() && *end == '\0' && seconds > 0)) continue;
-    throw ConfigError("--cases '" + c + "': expected a number of seconds, auto, off or cost");
+    if (c == "cost" || c == "auto" || c == "off" || c == "save" ||
+        (!c.empty() && *end == '\0' && seconds > 0)) {
+      continue;
+    }
+    throw ConfigError("--cases '" + c + "': expected a number of seconds, auto, off, save or cost");
   }
   for (const auto& c : cases) {
     if (c == "cost") {
       overhead(std::min(steps, 12LL), reps);
+    } else if (c == "save") {
+      saveCase("5", std::max(steps, 12LL), 6);
     } else {
       stallCase(c, steps, stallStep);
     }

@@ -154,9 +154,10 @@ int main(int argc, char** argv) {
       {"hang",
        "a 3-rank DeepNet job whose rank 1 freezes after --stall_step (6): seconds from the stall to "
        "the hang report, to the state restored and to the first new step, with --hang_timeout 5, "
-       "auto and off (the communicator's 300 s timeout); and the flight recorder's cost: ns per "
+       "auto and off (the communicator's 300 s timeout); a rank stalled just before a checkpoint save "
+       "while the others wait in it (save: stall_worker, --hang_timeout 5); and the flight recorder's cost: ns per "
        "recorded collective, collectives per DeepNet step, their share of a step, and step times "
-       "with it on vs off, alternating --reps (2) (--cases 5,auto,off,cost --steps 20)",
+       "with it on vs off, alternating --reps (2) (--cases 5,save,auto,off,cost --steps 20)",
        {"cases", "steps", "stall_step", "reps"},
        hang},
       {"collectives",

@@ -38,6 +38,7 @@ const char* opName(Op op) {
     case Op::kReduceScatter: return "reduce_scatter";
     case Op::kBroadcast: return "broadcast";
     case Op::kBarrier: return "barrier";
+    case Op::kWait: return "wait";
     case Op::kNone: break;
   }
   return "unknown";
@@ -176,6 +177,7 @@ Reading RingMemory::read(std::size_t last) const {
   r.progress.longestGapNs = h.longestGapNs.load(std::memory_order_relaxed);
   r.progress.what = readText(h.progressWhat);
   r.progress.busySinceNs = h.busySinceNs.load(std::memory_order_relaxed);
+  if (r.progress.busySinceNs != 0) r.progress.busyWhat = readText(h.busyWhat);
   auto& t = r.timing;
   t.steps = h.steps.load(std::memory_order_acquire);
   t.stepNs = h.stepNs.load(std::memory_order_relaxed);
@@ -296,8 +298,18 @@ void Writer::addBytes(std::int64_t bytes) {
   ring_.header().bytes.fetch_add(bytes, std::memory_order_relaxed);
 }
 
-void Writer::setBusy(bool busy) {
-  ring_.header().busySinceNs.store(busy ? nowNs() : 0, std::memory_order_relaxed);
+void Writer::setBusy(bool busy, std::string_view what) {
+  // The text first: a reader that sees the time sees the text of this operation (or, torn, of
+  // the one before it: text only, never a wrong time).
+  if (busy) {
+    // All 16 bytes: no terminator needed (readers stop at the field's end).
+    auto& field = ring_.header().busyWhat;
+    const std::string_view text = what.empty() ? std::string_view("long operation") : what;
+    const std::size_t n = std::min(text.size(), sizeof(field));
+    std::memcpy(field, text.data(), n);
+    std::memset(field + n, 0, sizeof(field) - n);
+  }
+  ring_.header().busySinceNs.store(busy ? nowNs() : 0, std::memory_order_release);
 }
 
 void Writer::markProgress(std::int64_t step, std::string_view what) {

@@ -33,7 +33,7 @@ flight::Record recordFromJson(const json& j) {
   r.group = j.at("group").get<std::string>();
   r.groupSize = j.at("gs").get<int>();
   r.groupRank = j.at("gr").get<int>();
-  r.op = static_cast<flight::Op>(std::clamp(j.at("op").get<int>(), 0, 5));
+  r.op = static_cast<flight::Op>(std::clamp(j.at("op").get<int>(), 0, flight::kLastOp));
   r.count = j.at("count").get<std::int64_t>();
   r.dtype = j.at("dtype").get<std::string>();
   r.tag = j.at("tag").get<std::string>();
@@ -47,6 +47,8 @@ flight::Record recordFromJson(const json& j) {
 bool open(const flight::Record& r) { return r.state == flight::SlotState::kIssued; }
 
 std::string signature(const flight::Record& r) {
+  // A wait outside a communicator: its count is the step it is for.
+  if (r.op == flight::Op::kWait) return "wait at step " + std::to_string(r.count);
   return std::string(flight::opName(r.op)) + " of " + std::to_string(r.count) + (r.dtype.empty() ? "" : " " + r.dtype);
 }
 
@@ -59,6 +61,7 @@ std::string secondsText(std::int64_t ns) {
 }
 
 std::string describeRecord(const flight::Record& r) {
+  if (r.op == flight::Op::kWait) return r.group + " #" + std::to_string(r.seq) + " (" + r.tag + ")";
   std::string out = r.group + " #" + std::to_string(r.seq) + " " + signature(r);
   if (!r.tag.empty()) out += " (" + r.tag + ")";
   return out;
@@ -72,7 +75,8 @@ std::string rankViewsToJson(const std::vector<RankView>& views) {
     out.push_back({{"rank", v.rank}, {"host", v.host}, {"pid", v.pid}, {"attached", v.ringAttached},
                    {"ring_error", v.ringError}, {"attached_ns", v.attachedNs}, {"completed_ns", v.lastCompletedNs},
                    {"progress", {{"count", v.progress.count}, {"step", v.progress.step}, {"ns", v.progress.lastNs},
-                                 {"gap", v.progress.longestGapNs}, {"what", v.progress.what}}},
+                                 {"gap", v.progress.longestGapNs}, {"what", v.progress.what},
+                                 {"busy_since", v.progress.busySinceNs}, {"busy_what", v.progress.busyWhat}}},
                    {"records", std::move(records)}, {"state", v.state}, {"stack", v.stack},
                    {"stack_error", v.stackError}});
   }
@@ -94,7 +98,8 @@ std::vector<RankView> rankViewsFromJson(const std::string& text) {
       v.lastCompletedNs = j.at("completed_ns").get<std::int64_t>();
       const auto& p = j.at("progress");
       v.progress = {p.at("count").get<std::int64_t>(), p.at("step").get<std::int64_t>(), p.at("ns").get<std::int64_t>(),
-                    p.at("gap").get<std::int64_t>(), p.at("what").get<std::string>()};
+                    p.at("gap").get<std::int64_t>(), p.at("what").get<std::string>(),
+                    p.value("busy_since", std::int64_t{0}), p.value("busy_what", std::string())};
       for (const auto& r : j.at("records")) v.records.push_back(recordFromJson(r));
       v.state = j.at("state").get<std::string>();
       v.stack = j.at("stack").get<std::string>();
@@ -128,9 +133,18 @@ HangAnalysis analyzeHang(const std::vector<RankView>& views, int worldSize, std:
   }
   const auto lastProgress = [&](const RankView& v) {
     if (v.progress.count == 0) return std::string("no progress mark yet");
-    return "last progress mark: " + v.progress.what + " " + std::to_string(v.progress.step) + ", " +
+    // A mark without a step (a restore starting) has none to show.
+    return "last progress mark: " + v.progress.what +
+           (v.progress.step >= 0 ? " " + std::to_string(v.progress.step) : std::string()) + ", " +
            secondsText(nowNs - v.progress.lastNs) + " ago";
   };
+  // A rank inside its own long operation (a checkpoint write) when the job was declared hung.
+  for (const auto& v : views) {
+    if (v.progress.busySinceNs == 0) continue;
+    a.lines.push_back("rank " + std::to_string(v.rank) + " is inside its own " +
+                      (v.progress.busyWhat.empty() ? std::string("long operation") : v.progress.busyWhat) +
+                      " (waiting for no other rank), for " + secondsText(nowNs - v.progress.busySinceNs));
+  }
 
   // Every group any rank recorded: its members (group rank -> rank) and their records by seq.
   struct Member {
@@ -206,7 +220,8 @@ HangAnalysis analyzeHang(const std::vector<RankView>& views, int worldSize, std:
       longest = std::max(longest, nowNs - it->second->issuedNs);
       example = it->second;
     }
-    a.lines.push_back(rankList(waiting) + " wait in " + describeRecord(*example) + " for " + secondsText(longest));
+    a.lines.push_back(rankList(waiting) + (waiting.size() == 1 ? " waits in " : " wait in ") +
+                      describeRecord(*example) + " for " + secondsText(longest));
     bool someoneMissing = false;
     for (int groupRank = 0; groupRank < g.size; ++groupRank) {
       const auto it = g.members.find(groupRank);

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <map>
 #include <set>
 
@@ -74,10 +75,11 @@ std::optional<HangReport> HangWatchdog::take() {
   return std::exchange(report_, std::nullopt);
 }
 
-std::optional<std::pair<std::int64_t, std::chrono::milliseconds>> HangWatchdog::quiet() const {
+std::optional<HangWatchdog::Quiet> HangWatchdog::quiet() const {
   const std::int64_t now = flight::nowNs();
   bool any = false;
   std::int64_t last = baselineNs_.load(), gap = 0, marks = 0;
+  Quiet q;
   for (const auto& w : workers_) {
     const char state = processState(w.pid);
     if (state == '?' || state == 'Z' || state == 'X') continue;  // exited: the others are still judged
@@ -86,7 +88,11 @@ std::optional<std::pair<std::int64_t, std::chrono::milliseconds>> HangWatchdog::
     if (!r.attached || !r.error.empty()) continue;
     any = true;
     last = std::max({last, r.attachedNs, r.lastCompletedNs, r.progress.lastNs});
-    if (r.progress.busySinceNs != 0) last = now;  // in a long operation (a checkpoint write)
+    // Inside a long operation (a checkpoint write) is no progress either: it holds the
+    // declaration back for a while instead (run()), on every node.
+    if (r.progress.busySinceNs != 0 && (!q.busy || r.progress.busySinceNs < q.busy->sinceNs)) {
+      q.busy = Busy{w.rank, options_.host, r.progress.busySinceNs, r.progress.busyWhat};
+    }
     gap = std::max(gap, r.progress.longestGapNs);
     marks = std::max(marks, r.progress.count);
   }
@@ -94,15 +100,46 @@ std::optional<std::pair<std::int64_t, std::chrono::milliseconds>> HangWatchdog::
   auto timeout = options_.timeout.value_or(autoHangTimeout(gap, marks));
   // Start-up (LibTorch, the data, the first step) is not judged by a timeout sized for steps.
   if (marks == 0) timeout = std::max<std::chrono::milliseconds>(timeout, kBeforeFirstMark);
-  return std::make_pair(now - last, timeout);
+  q.quietNs = now - last;
+  q.timeout = timeout;
+  return q;
+}
+
+void HangWatchdog::publishBusy(const std::optional<Busy>& busy) {
+  const std::string value =
+      busy ? std::to_string(busy->rank) + " " + std::to_string(busy->sinceNs) + " " + options_.host + " " + busy->what
+           : "";
+  if (value == publishedBusy_) return;
+  store_->set(key("busy/" + std::to_string(options_.nodeRank)), value);
+  publishedBusy_ = value;
+}
+
+std::optional<HangWatchdog::Busy> HangWatchdog::jobBusy(const std::optional<Busy>& local) {
+  std::optional<Busy> out = local;
+  for (int n = 0; n < options_.nnodes; ++n) {
+    if (n == options_.nodeRank) continue;
+    const std::string k = key("busy/" + std::to_string(n));
+    if (!store_->check({k})) continue;
+    const std::string text = store_->get(k, 1s);
+    Busy b;
+    char host[256] = {0}, what[64] = {0};
+    long long since = 0;
+    // "<rank> <since ns> <host> <what>"; a node that left it empty has none.
+    if (std::sscanf(text.c_str(), "%d %lld %255s %63[^\n]", &b.rank, &since, host, what) < 3 || since <= 0) continue;
+    b.sinceNs = since;
+    b.what = what;
+    b.host = host;
+    if (!out || b.sinceNs < out->sinceNs) out = b;
+  }
+  return out;
 }
 
 void HangWatchdog::run() {
   const std::string declared = key("declared");
   try {
     std::uint64_t seen = store_->revision();
-    std::string by;
-    std::int64_t quietNs = 0;
+    std::string by, busyNote;
+    std::int64_t quietNs = 0, heldSince = 0;
     std::chrono::milliseconds timeout{0};
     auto lastCheck = std::chrono::steady_clock::now();
     while (by.empty()) {
@@ -117,14 +154,38 @@ void HangWatchdog::run() {
         break;
       }
       if (const auto q = quiet()) {
-        quietNs = q->first;
-        timeout = q->second;
-        if (std::chrono::nanoseconds(q->first) > q->second) {
-          by = options_.host + " (node " + std::to_string(options_.nodeRank) + ")";
-          store_->set(declared, by);
-          log::error("no rank on this node completed a collective or marked progress for {}: declaring the job hung",
-                     secondsText(q->first));
-          break;
+        quietNs = q->quietNs;
+        timeout = q->timeout;
+        publishBusy(q->busy);
+        if (std::chrono::nanoseconds(q->quietNs) > q->timeout) {
+          // A rank of the job busy in its own work (a slow disk) is waited for, up to a bound.
+          const auto busy = jobBusy(q->busy);
+          const auto bound = q->timeout * kBusyFactor;
+          const std::int64_t busyNs = busy ? flight::nowNs() - busy->sinceNs : 0;
+          const std::string inside = busy ? "rank " + std::to_string(busy->rank) + " on " + busy->host +
+                                                " has been inside its own " + busy->what + " for " +
+                                                secondsText(busyNs)
+                                          : "";
+          if (busy && std::chrono::nanoseconds(busyNs) < bound) {
+            if (heldSince != busy->sinceNs) {
+              heldSince = busy->sinceNs;
+              log::warn("no rank on this node completed a collective or marked progress for {}, but {}: not a "
+                        "hang until it has been inside for {} ({}x the hang timeout)",
+                        secondsText(q->quietNs), inside,
+                        secondsText(std::chrono::nanoseconds(bound).count()), kBusyFactor);
+            }
+          } else {
+            if (busy) {
+              busyNote = inside + ", past the " + secondsText(std::chrono::nanoseconds(bound).count()) +
+                         " a long operation may take (" + std::to_string(kBusyFactor) + "x the hang timeout)";
+            }
+            by = options_.host + " (node " + std::to_string(options_.nodeRank) + ")";
+            store_->set(declared, by);
+            log::error("no rank on this node completed a collective or marked progress for {}{}: declaring the "
+                       "job hung",
+                       secondsText(q->quietNs), busyNote.empty() ? "" : "; " + busyNote);
+            break;
+          }
         }
       }
       const auto interval = std::clamp<std::chrono::milliseconds>(
@@ -135,7 +196,7 @@ void HangWatchdog::run() {
       if (stopping_.load()) return;
       if (change->value) by = *change->value;
     }
-    HangReport report = collect(by, quietNs, timeout);
+    HangReport report = collect(by, quietNs, timeout, busyNote);
     if (stopping_.load()) return;
     {
       std::scoped_lock lock(mutex_);
@@ -149,7 +210,8 @@ void HangWatchdog::run() {
   }
 }
 
-HangReport HangWatchdog::collect(const std::string& declaredBy, std::int64_t quietNs, std::chrono::milliseconds timeout) {
+HangReport HangWatchdog::collect(const std::string& declaredBy, std::int64_t quietNs, std::chrono::milliseconds timeout,
+                                 const std::string& busyNote) {
   const std::int64_t now = flight::nowNs();
   std::vector<RankView> local;
   for (const auto& w : workers_) {
@@ -227,6 +289,7 @@ HangReport HangWatchdog::collect(const std::string& declaredBy, std::int64_t qui
                 secondsText(quietNs) + " (hang timeout " +
                 secondsText(std::chrono::nanoseconds(timeout).count()) + (options_.timeout ? "" : ", auto") + ")";
   }
+  if (!busyNote.empty()) headline += "; " + busyNote;
   HangReport report;
   report.text = formatHangReport(headline, analysis, all);
   report.lagging = analysis.lagging;

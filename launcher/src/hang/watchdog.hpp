@@ -56,6 +56,11 @@ struct HangReport {
   std::string summary;            // the report's first finding, for one-line messages
 };
 
+// A rank inside its own long operation (fsdp::LongOperation: writing or reading its checkpoint
+// files) holds back the declaration on every node, for up to kBusyFactor times the hang timeout:
+// its peers waiting for it are no hang. Each node publishes its ranks' long operations.
+constexpr int kBusyFactor = 10;
+
 // The auto rule: 10 times the longest interval between two progress marks seen on any rank,
 // at least 60 s; kBeforeFirstMark while no rank has marked twice. An explicit timeout applies
 // once some rank has marked progress; before that, at least kBeforeFirstMark.
@@ -79,10 +84,27 @@ class HangWatchdog {
 
  private:
   void run();
+  // A rank inside its own long operation, on this node or another.
+  struct Busy {
+    int rank = -1;
+    std::string host;
+    std::int64_t sinceNs = 0;
+    std::string what;
+  };
+  struct Quiet {
+    std::int64_t quietNs = 0;  // since the node's last progress or completed collective
+    std::chrono::milliseconds timeout{0};
+    std::optional<Busy> busy;  // the local rank inside a long operation the longest
+  };
   // How long the node has been quiet, and the timeout that applies; nullopt when the watchdog
   // cannot judge (no ring attached, a worker gone).
-  std::optional<std::pair<std::int64_t, std::chrono::milliseconds>> quiet() const;
-  HangReport collect(const std::string& declaredBy, std::int64_t quietNs, std::chrono::milliseconds timeout);
+  std::optional<Quiet> quiet() const;
+  // Publishes this node's long operation when it changed since the last call.
+  void publishBusy(const std::optional<Busy>& busy);
+  // The job's rank inside a long operation the longest (every node's published one).
+  std::optional<Busy> jobBusy(const std::optional<Busy>& local);
+  HangReport collect(const std::string& declaredBy, std::int64_t quietNs, std::chrono::milliseconds timeout,
+                     const std::string& busyNote);
   std::string key(const std::string& what) const;
 
   WatchdogOptions options_;
@@ -94,6 +116,7 @@ class HangWatchdog {
   std::atomic<bool> stopping_{false};
   // Quiet time counts from no earlier than this (the round's start, a suspension's end).
   std::atomic<std::int64_t> baselineNs_{flight::nowNs()};
+  std::string publishedBusy_;  // what publishBusy() last wrote ("": none)
   std::thread thread_;
 };
 

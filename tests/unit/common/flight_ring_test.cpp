@@ -116,14 +116,21 @@ TEST(FlightRing, ActivityMarksKeepTheStepAndBusyIsReadBack) {
   Writer w(ring);
   w.markProgress(12, "trainer step");
   w.markProgress(-1, "eval batch");
-  w.setBusy(true);
+  w.setBusy(true, "checkpoint write");
   auto r = ring.read();
   EXPECT_EQ(r.progress.step, 12);
   EXPECT_EQ(r.progress.what, "eval batch");
   EXPECT_EQ(r.progress.count, 2);
   EXPECT_GT(r.progress.busySinceNs, 0);
+  EXPECT_EQ(r.progress.busyWhat, "checkpoint write");  // 16 characters at most
+  w.setBusy(false);
+  w.setBusy(true, "checkpoint write and more");
+  EXPECT_EQ(ring.read().progress.busyWhat, "checkpoint write");
   w.setBusy(false);
   EXPECT_EQ(ring.read().progress.busySinceNs, 0);
+  EXPECT_EQ(ring.read().progress.busyWhat, "");
+  w.setBusy(true);
+  EXPECT_EQ(ring.read().progress.busyWhat, "long operation");
 }
 
 TEST(FlightRing, GroupsOfMoreThan255RanksKeepTheirRanks) {

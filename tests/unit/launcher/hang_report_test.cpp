@@ -68,6 +68,78 @@ TEST(HangAnalysis, NamesTheRankThatNeverEnteredTheCollectiveOthersWaitIn) {
   EXPECT_NE(text.find("last progress mark: trainer step 6, 5.0 s ago"), std::string::npos) << text;
 }
 
+Record wait(std::uint64_t seq, std::int64_t step, bool done, int rank, int size = 3) {
+  Record r = rec(seq, Op::kWait, step, done, rank, size, "checkpoint");
+  r.dtype = "";
+  r.tag = "save step " + std::to_string(step) + ": waiting for ranks' files";
+  return r;
+}
+
+// The shape of a save: rank 0 waits in the save's commit for every rank's files, rank 2 arrived
+// (its record completed at once) and waits in the next step's all-gather, rank 1 stalled in its
+// own code before the save. Rank 1 is named in both groups, and nobody else is blamed.
+TEST(HangAnalysis, ARankThatNeverEnteredASaveOthersWaitInIsNamed) {
+  const std::vector<RankView> views = {
+      view(0, {rec(40, Op::kAllGather, 9, true, 0), wait(1, 3, true, 0), rec(41, Op::kAllGather, 9, true, 0),
+               wait(2, 6, false, 0)}),
+      view(1, {rec(40, Op::kAllGather, 9, true, 1), wait(1, 3, true, 1), rec(41, Op::kAllGather, 9, true, 1)}),
+      view(2, {rec(40, Op::kAllGather, 9, true, 2), wait(1, 3, true, 2), rec(41, Op::kAllGather, 9, true, 2),
+               wait(2, 6, true, 2), rec(42, Op::kAllGather, 9, false, 2)})};
+  const auto a = analyzeHang(views, 3, kNow);
+  const auto text = joined(a);
+  EXPECT_EQ(a.lagging, std::set<int>{1}) << text;
+  EXPECT_FALSE(a.desync) << text;
+  EXPECT_NE(text.find("rank 0 waits in checkpoint #2 (save step 6: waiting for ranks' files) for 6.0 s"),
+            std::string::npos) << text;
+  EXPECT_NE(text.find("rank 1 never entered checkpoint #2: its last collective was checkpoint #1 (save step 3"),
+            std::string::npos) << text;
+  EXPECT_NE(text.find("rank 2 waits in world #42"), std::string::npos) << text;
+  EXPECT_NE(text.find("rank 1 never entered world #42"), std::string::npos) << text;
+}
+
+// The first save: the stalled rank has no record of the group at all.
+TEST(HangAnalysis, ARankThatNeverEnteredTheFirstSaveIsNamed) {
+  const std::vector<RankView> views = {view(0, {wait(1, 3, false, 0)}), view(1, {}),
+                                       view(2, {wait(1, 3, true, 2)})};
+  const auto a = analyzeHang(views, 3, kNow);
+  EXPECT_EQ(a.lagging, std::set<int>{1}) << joined(a);
+  EXPECT_NE(joined(a).find("rank 1 never entered checkpoint #1: it has issued nothing in checkpoint; last progress "
+                           "mark: trainer step 6"),
+            std::string::npos) << joined(a);
+}
+
+// Two ranks saving different steps at the same point of the group is a desync.
+TEST(HangAnalysis, SavesOfDifferentStepsAtOneSequenceNumberAreADesync) {
+  const std::vector<RankView> views = {view(0, {wait(1, 6, false, 0)}), view(1, {wait(1, 7, true, 1)}),
+                                       view(2, {wait(1, 6, true, 2)})};
+  const auto a = analyzeHang(views, 3, kNow);
+  EXPECT_TRUE(a.desync);
+  EXPECT_NE(joined(a).find("desync in checkpoint #1: ranks 0, 2 issued wait at step 6; rank 1 issued wait at step 7"),
+            std::string::npos) << joined(a);
+}
+
+TEST(HangAnalysis, ARankInsideItsOwnLongOperationIsSaidWithHowLong) {
+  auto busy = view(1, {rec(44, Op::kAllGather, 9, true, 1)});
+  busy.progress.busySinceNs = kNow - 52'000'000'000;
+  busy.progress.busyWhat = "checkpoint write";
+  auto restoring = view(2, {rec(44, Op::kAllGather, 9, true, 2), rec(45, Op::kAllGather, 9, false, 2)});
+  restoring.progress = {1, -1, kNow - 5'000'000'000, 0, "snapshot restore"};
+  const auto a = analyzeHang({view(0, {rec(44, Op::kAllGather, 9, true, 0), rec(45, Op::kAllGather, 9, false, 0)}),
+                              busy, restoring},
+                             3, kNow);
+  EXPECT_EQ(a.lagging, std::set<int>{1}) << joined(a);
+  EXPECT_NE(joined(a).find("rank 1 is inside its own checkpoint write (waiting for no other rank), for 52.0 s"),
+            std::string::npos) << joined(a);
+  const auto back = rankViewsFromJson(rankViewsToJson({busy, restoring}));
+  EXPECT_EQ(back.at(0).progress.busySinceNs, busy.progress.busySinceNs);
+  EXPECT_EQ(back.at(0).progress.busyWhat, "checkpoint write");
+  // A mark without a step shows none.
+  RankView silent = view(1, {});
+  silent.progress = {1, -1, kNow - 5'000'000'000, 0, "checkpoint load"};
+  const auto b = analyzeHang({view(0, {wait(1, 0, false, 0, 2)}), silent}, 2, kNow);
+  EXPECT_NE(joined(b).find("last progress mark: checkpoint load, 5.0 s ago"), std::string::npos) << joined(b);
+}
+
 TEST(HangAnalysis, ASkippedCollectiveIsADesyncNamingBothOperations) {
   const std::vector<RankView> views = {
       view(0, {rec(4, Op::kAllReduce, 1, true, 0), rec(5, Op::kAllReduce, 1, false, 0)}),

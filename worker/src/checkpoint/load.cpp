@@ -8,6 +8,8 @@
 #include <sstream>
 
 #include "checkpoint_internal.hpp"
+#include "comm/recorded_communicator.hpp"
+#include "fsdp/worker/flight_recorder.hpp"
 #include "fsdp/worker/runtime.hpp"
 
 namespace fsdp::worker {
@@ -91,13 +93,18 @@ void fillShard(Reader& reader, const Manifest& m, const FlatParamInfo& flat, con
 
 std::optional<TrainingProgress> Checkpointer::loadLatest(FullyShardedDataParallel& model,
                                                          torch::optim::Optimizer* optimizer) {
-  const LongOperation busy;  // a long read is no hang (fsdprun's watchdog)
-  wait();
+  // The start of the job's own work: fsdprun's watchdog judges by the hang timeout from here on.
+  markProgress(-1, "checkpoint load");
   // Rank 0 picks, everyone loads the same one (a directory listing may lag on shared disks).
   std::int64_t chosen = -1;
-  if (runtime_.rank() == 0) {
-    if (const auto newest = newestCheckpoint(options_.dir)) {
-      chosen = std::stoll(fs::path(*newest).filename().string().substr(5));
+  {
+    // Reading is this rank's own work, busy, not stalled; the collectives below wait for the others.
+    const LongOperation busy("checkpoint read");
+    wait();
+    if (runtime_.rank() == 0) {
+      if (const auto newest = newestCheckpoint(options_.dir)) {
+        chosen = std::stoll(fs::path(*newest).filename().string().substr(5));
+      }
     }
   }
   auto pick = at::full({1}, chosen, at::kLong);
@@ -111,6 +118,7 @@ std::optional<TrainingProgress> Checkpointer::loadLatest(FullyShardedDataParalle
   std::optional<Manifest> manifest;
   std::string failure;
   try {
+    const LongOperation busy("checkpoint read");
     manifest.emplace(readManifest(path));
   } catch (const Error& e) {
     failure = e.what();
@@ -142,6 +150,7 @@ TrainingProgress loadManifest(Runtime& runtime, const Manifest& m, Reader& reade
   std::vector<double> groupLrs;
   at::NoGradGuard noGrad;
   if (failure.empty()) try {
+    const LongOperation busy("checkpoint read");
     checkModelFits(m, layout);
     progress.step = m.meta.at("step").get<std::int64_t>();
     progress.position = {m.meta.at("epoch").get<int>(), m.meta.at("step_in_epoch").get<std::int64_t>()};
@@ -205,7 +214,9 @@ TrainingProgress loadManifest(Runtime& runtime, const Manifest& m, Reader& reade
   }
   if (!failure.empty()) runtime.store().set(errorKey, failure);
   auto failed = at::full({1}, failure.empty() ? 0.0 : 1.0, at::kDouble);
-  const CommTag tag("checkpoint", "load");
+  // A snapshot restore names its collectives itself.
+  std::optional<CommTag> tag;
+  if (*detail::currentCommTag() == '\0') tag.emplace("checkpoint", "load");
   runtime.cpuComm().allReduce(failed, ReduceOp::kMax).wait();
   if (failed.item<double>() > 0) {
     if (failure.empty()) failure = runtime.store().get(errorKey);

@@ -4,9 +4,15 @@
 #include <torch/optim/optimizer.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <set>
+#include <thread>
 
 #include "checkpoint_internal.hpp"
+#include "comm/recorded_communicator.hpp"
 #include "fsdp/common/log.hpp"
 #include "fsdp/worker/runtime.hpp"
 
@@ -43,6 +49,22 @@ void Checkpointer::wait() {
 }
 
 namespace detail {
+namespace {
+
+// Test hook: FSDPRUN_TEST_CHECKPOINT_WRITE_DELAY=RANK:MS makes that rank's first checkpoint write
+// of the process take MS longer (a slow disk on one node), inside its LongOperation.
+void testWriteDelay(int rank) {
+  static std::atomic<bool> done{false};
+  const char* text = std::getenv("FSDPRUN_TEST_CHECKPOINT_WRITE_DELAY");
+  if (text == nullptr || done.exchange(true)) return;
+  int who = -1;
+  long long ms = 0;
+  if (std::sscanf(text, "%d:%lld", &who, &ms) != 2 || who != rank || ms <= 0) return;
+  log::warn("test hook FSDPRUN_TEST_CHECKPOINT_WRITE_DELAY: rank {} sleeps {} ms inside its checkpoint write", rank, ms);
+  std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+}
+
+}  // namespace
 
 void addBuffers(RankPlan& plan, FullyShardedDataParallel& model, bool copy) {
   for (const auto& item : model->module()->named_buffers()) {
@@ -142,15 +164,23 @@ void refreshMeta(json& meta, const ShardLayout& layout, torch::optim::Optimizer*
 
 void Checkpointer::save(FullyShardedDataParallel& model, torch::optim::Optimizer* optimizer,
                         const TrainingProgress& progress, bool frozen) {
-  const LongOperation busy;  // a long write is no hang (fsdprun's watchdog)
-  wait();  // one save at a time, and their errors surface here
   const int rank = runtime_.rank();
   const int world = runtime_.worldSize();
-  // Frozen shards and optimizer state (an in-memory snapshot's) are written from where they are;
-  // the buffers change in the next forward, so an asynchronous save copies them still.
-  auto [plan, meta] = describeRank(model, optimizer, progress, rank, world, options_.async && !frozen,
-                                   /*buffers=*/false, /*withMeta=*/rank == 0);
-  if (rank == 0) addBuffers(plan, model, options_.async);
+  RankPlan plan;
+  json meta;
+  {
+    // This rank's own work (the previous save's write, the copies) is busy, not stalled. The wait
+    // for the other ranks below is not: it is recorded like a collective (fsdprun's watchdog).
+    const LongOperation busy("checkpoint copy");
+    wait();  // one save at a time, and their errors surface here
+    // Frozen shards and optimizer state (an in-memory snapshot's) are written from where they
+    // are; the buffers change in the next forward, so an asynchronous save copies them still.
+    auto described = describeRank(model, optimizer, progress, rank, world, options_.async && !frozen,
+                                  /*buffers=*/false, /*withMeta=*/rank == 0);
+    plan = std::move(described.plan);
+    meta = std::move(described.meta);
+    if (rank == 0) addBuffers(plan, model, options_.async);
+  }
 
   const std::string dir = options_.dir;
   const std::string finalDir = dir + "/" + stepDirName(progress.step);
@@ -159,27 +189,42 @@ void Checkpointer::save(FullyShardedDataParallel& model, torch::optim::Optimizer
   auto& store = runtime_.store();
   const auto timeout = options_.timeout;
   const int keep = options_.keep;
+  const std::int64_t step = progress.step;
+  const bool ownThread = options_.async;
 
   auto work = [plan = std::move(plan), meta = std::move(meta), dir, finalDir, tmp, keyPrefix, rank,
-               world, timeout, keep, &store]() mutable {
+               world, timeout, keep, step, ownThread, &store]() mutable {
+    // On the writer thread the training thread marks progress meanwhile: nothing to say.
+    std::optional<LongOperation> busy;
+    if (!ownThread) busy.emplace("checkpoint write");
     std::error_code ec;
     fs::create_directories(tmp, ec);
     if (ec) throw Error("checkpoint: cannot create " + tmp + ": " + ec.message());
+    detail::testWriteDelay(rank);
     writeRankFile(tmp + "/" + rankFileName(rank), plan);
+    busy.reset();
     // The block list travels through the store: rank 0 may not see the other ranks' disks'
     // caches yet, and it needs no extra file.
     store.set(keyPrefix + "files/" + std::to_string(rank), rankFileJson(plan).dump());
+    const std::string what = "save step " + std::to_string(step) + ": waiting for ranks' files";
+    const RankWait::Point point{.group = "checkpoint", .rank = rank, .size = world, .step = step, .what = what};
     if (rank != 0) {
+      RankWait arrived(point, /*waits=*/false);
       store.add(keyPrefix + "written", 1);
       return;
     }
-    store.addAndWait(keyPrefix + "written", 1, world, timeout);
     json files = json::array();
-    for (int r = 0; r < world; ++r) {
-      json file = json::parse(store.get(keyPrefix + "files/" + std::to_string(r), timeout));
-      file["file"] = rankFileName(r);
-      files.push_back(std::move(file));
+    {
+      RankWait waiting(point);
+      store.addAndWait(keyPrefix + "written", 1, world, timeout);
+      for (int r = 0; r < world; ++r) {
+        json file = json::parse(store.get(keyPrefix + "files/" + std::to_string(r), timeout));
+        file["file"] = rankFileName(r);
+        files.push_back(std::move(file));
+      }
+      waiting.done();
     }
+    if (!ownThread) busy.emplace("checkpoint commit");
     meta["files"] = std::move(files);
     writeFileDurably(tmp + "/metadata.json", meta.dump(1));
     commit(dir, tmp, finalDir, keep);

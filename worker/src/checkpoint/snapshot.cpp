@@ -13,6 +13,7 @@
 #include <list>
 
 #include "checkpoint_internal.hpp"
+#include "comm/recorded_communicator.hpp"
 #include "fsdp/worker/flight_recorder.hpp"
 #include "fsdp/common/log.hpp"
 #include "fsdp/common/snapshot_wire.hpp"
@@ -367,8 +368,11 @@ Snapshotter::Snapshotter(Runtime& runtime, SnapshotOptions options)
       const char* mineEndpoint = std::getenv("FSDPRUN_SNAPSHOT_PEER");
       runtime.store().set(prefix + std::to_string(env.groupRank), mineEndpoint != nullptr ? mineEndpoint : "");
     }
+    RankWait waiting({.group = "snapshot", .rank = runtime.rank(), .size = runtime.worldSize(),
+                      .what = "start: waiting for the next node's agent"});
     d.peerEndpoint = runtime.store().get(prefix + std::to_string((env.groupRank + 1) % env.groupWorldSize),
                                          options.timeout);
+    waiting.done();
   }
 }
 
@@ -445,6 +449,8 @@ void Snapshotter::save(FullyShardedDataParallel& model, torch::optim::Optimizer*
 std::optional<TrainingProgress> Snapshotter::restore(FullyShardedDataParallel& model,
                                                      torch::optim::Optimizer* optimizer) {
   auto& d = *impl_;
+  // The start of the job's own work: fsdprun's watchdog judges by the hang timeout from here on.
+  markProgress(-1, "snapshot restore");
   wait();
   if (!d.enabled) return std::nullopt;
   const KeeperLink link{.runtime = d.runtime,

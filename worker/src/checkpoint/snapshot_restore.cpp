@@ -9,6 +9,7 @@
 #include <set>
 
 #include "checkpoint_internal.hpp"
+#include "comm/recorded_communicator.hpp"
 #include "fsdp/common/log.hpp"
 #include "fsdp/worker/runtime.hpp"
 #include "snapshot_fetch.hpp"
@@ -147,7 +148,10 @@ std::vector<NodeHoldings> gatherHoldings(const KeeperLink& link) {
   }
   std::vector<std::string> keys;
   for (int g = 0; g < env.groupWorldSize; ++g) keys.push_back(prefix + std::to_string(g));
+  RankWait waiting({.group = "snapshot", .rank = rt.rank(), .size = rt.worldSize(),
+                    .what = "restore: waiting for every node's snapshots"});
   rt.store().wait(keys, link.timeout);
+  waiting.done();
   std::vector<NodeHoldings> nodes;
   for (const auto& text : rt.store().multiGet(keys)) nodes.push_back(parseHoldings(text));
   return nodes;
@@ -159,6 +163,8 @@ Fd fetchFromHolders(const KeeperLink& link, const std::vector<NodeHoldings>& nod
                     int world, std::int64_t step, const std::string& label, bool& fromPeer) {
   const int self = link.runtime.env().groupRank;
   std::string errors;
+  // Fetching is this rank's own work (its agent's or another's memory), busy, not stalled.
+  const LongOperation busy("snapshot fetch");
   for (const int holder : holdersOf(nodes, self, q, world, step)) {
     try {
       if (holder == self) {
@@ -257,6 +263,7 @@ std::optional<Restored> restoreFromKeepers(const KeeperLink& link, FullyShardedD
   }
   try {
     // Every rank agrees here: a fetch that failed anywhere sends all of them to the disk.
+    const CommTag restoring("snapshot", "restore");
     auto progress = loadManifest(
         rt, m, reader, model, optimizer,
         rt.roundPrefix() + "snapshot/load/" + std::to_string(step) + "/error", failure);

@@ -35,6 +35,22 @@ namespace detail {
 
 const char* currentCommTag() { return tlsTag; }
 
+RankWait::RankWait(const Point& p, bool waits) {
+  auto& recorder = FlightRecorder::process();
+  index_ = recorder.issueRankWait(p.group, p.rank, p.size, p.step, p.what, waits);
+  open_ = waits && recorder.enabled();
+}
+
+RankWait::~RankWait() {
+  if (open_) FlightRecorder::process().complete(index_, false);
+}
+
+void RankWait::done() {
+  if (!open_) return;
+  open_ = false;
+  FlightRecorder::process().complete(index_, true);
+}
+
 FlightRecorder::FlightRecorder() {
   const char* off = std::getenv("FSDPRUN_FLIGHT_RECORDER");
   if (off != nullptr && std::string(off) == "0") {
@@ -182,9 +198,35 @@ void FlightRecorder::markProgress(std::int64_t step, std::string_view what) {
   if (observer) observer(split);
 }
 
-void FlightRecorder::enterLongOperation() {
+void FlightRecorder::enterLongOperation(std::string_view what) {
   std::scoped_lock lock(mutex_);
-  if (writer_ && longOperations_++ == 0) writer_->setBusy(true);
+  if (writer_ && longOperations_++ == 0) writer_->setBusy(true, what);
+}
+
+std::uint64_t FlightRecorder::issueRankWait(std::string_view group, int groupRank, int groupSize,
+                                            std::int64_t step, std::string_view what, bool waits) {
+  if (!writer_) return 0;
+  std::uint64_t index = 0;
+  {
+    std::scoped_lock lock(mutex_);
+    auto it = rankWaitSeq_.find(group);
+    if (it == rankWaitSeq_.end()) it = rankWaitSeq_.emplace(std::string(group), 0).first;
+    index = writer_->issue({.group = group,
+                            .groupSize = groupSize,
+                            .groupRank = groupRank,
+                            .seq = ++it->second,
+                            .op = flight::Op::kWait,
+                            .count = step,
+                            .dtype = "",
+                            .tag = what},
+                           true);
+  }
+  if (waits) {
+    beginWait(index);  // the step split counts it as waiting, like a collective
+  } else {
+    writer_->complete(index, true);
+  }
+  return index;
 }
 
 void FlightRecorder::leaveLongOperation() {
@@ -213,7 +255,7 @@ void reportStep(std::int64_t samples, std::int64_t tokens, double loss) {
 DataWait::DataWait() : startNs_(flight::nowNs()) {}
 DataWait::~DataWait() { detail::FlightRecorder::process().addDataWait(flight::nowNs() - startNs_); }
 
-LongOperation::LongOperation() { detail::FlightRecorder::process().enterLongOperation(); }
+LongOperation::LongOperation(std::string_view what) { detail::FlightRecorder::process().enterLongOperation(what); }
 LongOperation::~LongOperation() { detail::FlightRecorder::process().leaveLongOperation(); }
 
 CommTag::CommTag(std::string_view phase, std::string_view what) {

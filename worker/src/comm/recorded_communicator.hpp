@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -48,8 +49,12 @@ class FlightRecorder {
   void setStepObserver(std::function<void(const StepSplit&)> observer);
   // The straggler factor the monitor found for this rank (published with the next step).
   void setStraggler(double factor);
-  void enterLongOperation();
+  void enterLongOperation(std::string_view what);
   void leaveLongOperation();
+  // A wait for other ranks outside a communicator (RankWait): a record of `group` at the
+  // group's next sequence number, open (waits) or completed at once (arrives only).
+  std::uint64_t issueRankWait(std::string_view group, int groupRank, int groupSize, std::int64_t step,
+                              std::string_view what, bool waits);
   // Collectives recorded so far by this process (0 when off).
   std::uint64_t issued() const;
   // What the agent would read (tests): the newest `last` records.
@@ -61,6 +66,7 @@ class FlightRecorder {
   std::optional<flight::Writer> writer_;
   std::mutex mutex_;  // issue() from several threads (the training thread, a checkpoint thread)
   int longOperations_ = 0;  // under mutex_
+  std::map<std::string, std::uint64_t, std::less<>> rankWaitSeq_;  // under mutex_
   // Step timing, under timingMutex_ (collectives start and complete on the backends' threads).
   bool timingOn_ = true;
   std::mutex timingMutex_;
@@ -74,6 +80,32 @@ class FlightRecorder {
   std::function<void(const StepSplit&)> observer_;  // under timingMutex_; called outside it
   void beginWait(std::uint64_t index);
   void endWait(std::uint64_t index);
+};
+
+// A wait of this rank for other ranks outside a communicator (a checkpoint's commit, a snapshot
+// restore's agreement through the store), recorded in the flight ring like a collective of
+// `group` (Op::kWait, its count the step): every rank of the group records the same points in
+// the same order, so the hang report says who waits in one and who never entered it. A rank
+// that only arrives (it does not wait: rank 0 commits a save) records it completed at once.
+// The record completes with done(); an exception before it records it failed.
+class RankWait {
+ public:
+  struct Point {
+    std::string_view group;  // "checkpoint", "snapshot": no communicator's name
+    int rank = 0;            // in the group (the world rank for world-wide waits)
+    int size = 1;
+    std::int64_t step = 0;
+    std::string_view what;   // up to 47 characters: "save step 6: waiting for every rank's files"
+  };
+  explicit RankWait(const Point& point, bool waits = true);
+  ~RankWait();
+  RankWait(const RankWait&) = delete;
+  RankWait& operator=(const RankWait&) = delete;
+  void done();
+
+ private:
+  std::uint64_t index_ = 0;
+  bool open_ = false;
 };
 
 // This thread's CommTag text ("" when none).

@@ -29,7 +29,11 @@ constexpr std::uint64_t kMagic = 0x31544c4650445346ull;  // "FSDPFLT1"
 constexpr std::uint32_t kVersion = 3;
 constexpr std::uint32_t kDefaultCapacity = 4096;
 
-enum class Op : std::uint8_t { kNone = 0, kAllReduce, kAllGather, kReduceScatter, kBroadcast, kBarrier };
+// kWait: a wait for other ranks outside a communicator (a checkpoint's commit, a snapshot
+// restore's agreement, done through the store), recorded like a collective so that the hang
+// report names who waits in it and who never entered it. Its `count` is the step it is for.
+enum class Op : std::uint8_t { kNone = 0, kAllReduce, kAllGather, kReduceScatter, kBroadcast, kBarrier, kWait };
+constexpr int kLastOp = static_cast<int>(Op::kWait);
 const char* opName(Op op);  // "all_reduce", ...
 
 enum class SlotState : std::uint8_t { kEmpty = 0, kIssued, kCompleted, kFailed };
@@ -68,7 +72,7 @@ struct alignas(64) Header {
   std::atomic<std::int64_t> lastTokens;
   std::atomic<double> loss;                 // the last loss reported (NaN: none)
   std::atomic<double> straggler;            // compute / the median rank's, at the last report (0: none)
-  std::uint8_t reserved[16];
+  char busyWhat[16];                        // what the long operation does ("checkpoint write"; no terminator at 16)
 };
 
 struct alignas(64) Slot {
@@ -130,6 +134,7 @@ struct Progress {
   std::int64_t longestGapNs = 0;
   std::string what;
   std::int64_t busySinceNs = 0;  // in a long operation (a checkpoint write) since then; 0: not
+  std::string busyWhat;          // what it does, when busy ("checkpoint write")
 };
 
 // What a reader could take from a ring.
@@ -206,8 +211,9 @@ class Writer {
   // Publishes the step timing (the writer keeps the running figures; see FlightRecorder).
   void publishTiming(const StepTiming& timing);
   void addBytes(std::int64_t bytes);
-  // Enters (true) or leaves (false) a long operation that makes no collective or mark.
-  void setBusy(bool busy);
+  // Enters (true) or leaves (false) a long operation that makes no collective or mark; `what`
+  // says what it does (up to 16 characters).
+  void setBusy(bool busy, std::string_view what = {});
 
  private:
   Slot* live(std::uint64_t index) const;  // nullptr when the slot was reused since

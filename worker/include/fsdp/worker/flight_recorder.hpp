@@ -47,11 +47,18 @@ class DataWait {
   std::int64_t startNs_;
 };
 
-// While alive, this rank is busy, not stalled: for long work that issues no collective and
-// marks nothing (a checkpoint written synchronously). Nests; any thread.
+// While alive, this rank is busy in its own work, not stalled: for long work that issues no
+// collective, marks nothing and waits for no other rank (writing or reading this rank's own
+// checkpoint files). `what` names it in the hang report, up to 16 characters ("checkpoint
+// write"). Nests (the outermost names it); any thread.
+//
+// fsdprun's watchdog does not declare the job hung while some rank of the job is inside one,
+// on any node, for up to 10 times the hang timeout: its waiting peers are not a hang. Past that
+// the report names the rank and how long it has been inside. Never hold one across a wait for
+// other ranks (a collective, a store wait): a rank stalled elsewhere would then hide behind it.
 class LongOperation {
  public:
-  LongOperation();
+  explicit LongOperation(std::string_view what = {});
   ~LongOperation();
   LongOperation(const LongOperation&) = delete;
   LongOperation& operator=(const LongOperation&) = delete;
