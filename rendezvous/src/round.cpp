@@ -25,7 +25,8 @@ std::string encodeJoin(const JoinRequest& j) {
               {"last_rank", j.lastRank},
               {"restarts", j.restarts},
               {"program", j.program},
-              {"serves", j.servesRendezvous}}
+              {"serves", j.servesRendezvous},
+              {"agent_id", j.agentId}}
       .dump();
 }
 
@@ -49,6 +50,8 @@ JoinRequest decodeJoin(const std::string& text) {
     r.restarts = j.value("restarts", 0);
     r.program = j.value("program", std::string());
     r.servesRendezvous = j.value("serves", false);
+    r.agentId = j.value("agent_id", std::string());
+    if (r.agentId.size() > 64) throw ProtocolError("JOIN: agent_id must be at most 64 bytes");
     if (r.lastRound < -1 || r.lastRank < -1 || r.restarts < 0) {
       throw ProtocolError("JOIN: last_round, last_rank and restarts must not be negative");
     }
@@ -75,7 +78,9 @@ namespace {
 
 json successorsJson(const std::vector<Successor>& successors) {
   json list = json::array();
-  for (const auto& s : successors) list.push_back({{"node", s.node}, {"address", s.address}});
+  for (const auto& s : successors) {
+    list.push_back({{"node", s.node}, {"address", s.address}, {"agent_id", s.agentId}});
+  }
   return list;
 }
 
@@ -83,7 +88,8 @@ std::vector<Successor> successorsFrom(const json& j) {
   std::vector<Successor> successors;
   if (!j.contains("successors")) return successors;
   for (const auto& s : j.at("successors")) {
-    successors.push_back({s.at("node").get<std::string>(), s.at("address").get<std::string>()});
+    successors.push_back({s.at("node").get<std::string>(), s.at("address").get<std::string>(),
+                          s.value("agent_id", std::string())});
     if (successors.size() > kMaxSuccessors) throw ProtocolError("more than " + std::to_string(kMaxSuccessors) + " successors");
   }
   return successors;
@@ -339,7 +345,7 @@ std::vector<Successor> RoundState::successorsOf(
   std::vector<Successor> successors;
   for (const auto& [agent, r] : ranked) {
     if (r->servesRendezvous) continue;
-    successors.push_back({r->node, r->address});
+    successors.push_back({r->node, r->address, r->agentId});
     if (successors.size() == kMaxSuccessors) break;
   }
   return successors;

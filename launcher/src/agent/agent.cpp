@@ -86,6 +86,8 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
   restarts_ = a.restartCount;
   last_ = a;
   successors_ = a.successors;
+  failoverWait_.reset();  // a round formed: the failover is over
+  failoverWaitedFor_.clear();
   const std::string runDir = options_.logDir.empty()
                                  ? scratch_.path() + "/" + options_.rdzvId
                                  : options_.logDir + "/" + options_.rdzvId;

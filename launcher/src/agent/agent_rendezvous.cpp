@@ -192,6 +192,12 @@ void Agent::connect(const Deadline& deadline) {
   }
 }
 
+bool Agent::isMe(const rendezvous::Successor& s) const {
+  // Agents that share a host share node_ and address_: only the id tells them apart.
+  if (!s.agentId.empty()) return s.agentId == agentId_;
+  return s.node == node_ && s.address == address_;
+}
+
 bool Agent::failover() {
   if (plan_.embedded || server_ || successors_.empty()) return false;
   const std::string lostServer = endpointName();
@@ -206,12 +212,17 @@ bool Agent::failover() {
   const auto turn = std::max<std::chrono::milliseconds>(10s, 2 * options_.rdzvConf.heartbeatTimeout);
   const auto start = Clock::now();
   const int port = plan_.endpoint.port;
+  // Who this node waits for once the run has moved: the last round's other members.
+  std::string waitedFor = "the lost server at " + lostServer;
+  for (const auto& s : successors_) {
+    if (!isMe(s)) waitedFor += ", node " + s.node + " (" + s.address + ", agent " + s.agentId + ")";
+  }
   for (std::size_t k = 0; k < successors_.size(); ++k) {
     const auto& s = successors_[k];
     const auto turnEnds = start + static_cast<int>(k + 1) * turn;
     storeHost_ = s.address;
     storePort_ = port;
-    if (s.node == node_ && s.address == address_) {
+    if (isMe(s)) {
       try {
         server_ = std::make_unique<rendezvous::StoreServer>(
             rendezvous::ServerOptions{.host = isAddressLiteral(address_) ? address_ : std::string("::"),
@@ -220,21 +231,36 @@ bool Agent::failover() {
                                       .allowPytorchClients = options_.rdzvConf.allowPytorchClients,
                                       .pytorchRunId = options_.rdzvId});
       } catch (const NetworkError& e) {
+        // Another agent of this run on the same address may serve there already (agents that
+        // share a host): joined as a client, not passed over. Else the next successor's turn.
         const auto holder = portHolder(port);
-        log::warn("cannot serve the rendezvous on {}:{} ({}{}): the next successor takes over", address_, port, e.what(),
-                  holder ? ", held by " + *holder : "");
-        continue;
+        log::warn("cannot serve the rendezvous on {}:{} ({}{}): joining whoever serves there, else the next "
+                  "successor takes over",
+                  address_, port, e.what(), holder ? ", held by " + *holder : "");
       }
-      log::warn("serving the rendezvous of run '{}' on {}:{} in place of {}", options_.rdzvId, address_, port,
-                lostServer);
+      if (server_) {
+        log::warn("serving the rendezvous of run '{}' on {}:{} in place of {}", options_.rdzvId, address_, port,
+                  lostServer);
+      }
     }
     std::string error;
     const auto tried = Clock::now();
     const auto wait = server_ ? std::chrono::milliseconds(10s)
                               : std::max<std::chrono::milliseconds>(
                                     2s, std::chrono::duration_cast<std::chrono::milliseconds>(turnEnds - tried));
-    if (tryConnect(Deadline::after(wait), error)) {
+    bool connected = false;
+    try {
+      connected = tryConnect(Deadline::after(wait), error);
+    } catch (const ConfigError& e) {  // something else answers there: not this run's server
+      error = e.what();
+    }
+    if (connected) {
       log::warn("run '{}' goes on with the rendezvous at {}:{} (node {})", options_.rdzvId, s.address, port, s.node);
+      // Every survivor reaches the server within the successors' turns: whoever has not joined
+      // by then (plus a heartbeat timeout for the spread in noticing the loss) is gone.
+      failoverWait_ = std::chrono::duration_cast<std::chrono::milliseconds>(
+          static_cast<int>(successors_.size() + 1) * turn + options_.rdzvConf.heartbeatTimeout);
+      failoverWaitedFor_ = waitedFor;
       lost_.reset();
       nextHeartbeat_ = Clock::now();
       startProxy();
@@ -260,6 +286,10 @@ rendezvous::JoinRequest Agent::joinRequest() const {
   join.maxRestarts = options_.maxRestarts;
   join.lastCallTimeout = options_.rdzvConf.lastCallTimeout;
   join.joinTimeout = options_.rdzvConf.joinTimeout;
+  // After the rendezvous moved, the last round's members come back within the failover's turns;
+  // past them nobody else of that round is coming.
+  if (failoverWait_) join.joinTimeout = std::min(join.joinTimeout, *failoverWait_);
+  join.agentId = agentId_;
   join.heartbeatTimeout = options_.rdzvConf.heartbeatTimeout;
   if (last_) {
     join.lastRound = last_->round;
@@ -334,9 +364,16 @@ std::variant<Assignment, AgentResult> Agent::joinRound() {
         case EventKind::kRunFailed: return ended(1, event->reason, event->failure);
         case EventKind::kRunClosed: return ended(1, "the run was closed: " + event->reason);
         case EventKind::kJoinFailed:
-        case EventKind::kDisconnect:
-          return ended(1, "rendezvous at " + endpointName() + " refused node " + node_ + ": " +
-                              event->reason);
+        case EventKind::kDisconnect: {
+          std::string why = "rendezvous at " + endpointName() + " refused node " + node_ + ": " + event->reason;
+          if (failoverWait_ && event->kind == EventKind::kJoinFailed) {
+            why += "; after the rendezvous moved this node waited " +
+                   std::to_string(failoverWait_->count() / 1000.0).substr(0, 5) +
+                   " s (the successors' turns and a heartbeat timeout, not the join timeout) for the last "
+                   "round's other members: " + failoverWaitedFor_;
+          }
+          return ended(1, why);
+        }
         case EventKind::kRoundEnded: break;  // news of a round this node has already left
         case EventKind::kSpare:
           log::warn("{}", event->reason);

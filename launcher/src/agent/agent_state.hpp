@@ -71,6 +71,8 @@ class Agent {
   // takes over; this agent starts serving when it is that successor. True when connected to a
   // server again (lost_ cleared), false when no successor answered.
   bool failover();
+  // Whether successor `s` is this agent.
+  bool isMe(const rendezvous::Successor& s) const;
   // The workers' way to the store after (re)connecting: this node's proxy, unless it serves.
   void startProxy();
   rendezvous::JoinRequest joinRequest() const;
@@ -114,6 +116,12 @@ class Agent {
   std::unique_ptr<detail::WorkerGroup> standby_;
   std::string address_;  // this node's address for the others
   std::string node_;
+  // This agent, among agents that may share node_ and address_ (agent_support.hpp).
+  const std::string agentId_ = newAgentId();
+  // After the rendezvous moved (failover), until the next round forms: who this agent waits for
+  // (the last round's other members), and for how long at most (joinRequest()'s join timeout).
+  std::optional<std::chrono::milliseconds> failoverWait_;
+  std::string failoverWaitedFor_;
   int masterPort_ = 0;   // the MASTER_PORT this node offers, should it be node 0
   int restarts_ = 0;
   detail::StallCounter stalls_{options_.maxStalledRestarts};  // --max_stalled_restarts

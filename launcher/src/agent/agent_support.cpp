@@ -6,9 +6,12 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdint>
+#include <cstdio>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <random>
 
 #include "fsdp/common/error.hpp"
 
@@ -73,6 +76,14 @@ std::string utcNow() {
   ::gmtime_r(&t, &tm);
   char text[32] = {};
   std::strftime(text, sizeof(text), "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return text;
+}
+
+std::string newAgentId() {
+  std::random_device random;
+  const std::uint64_t id = (std::uint64_t{random()} << 32) ^ random();
+  char text[17];
+  std::snprintf(text, sizeof(text), "%016llx", static_cast<unsigned long long>(id));
   return text;
 }
 

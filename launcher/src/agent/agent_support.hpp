@@ -49,6 +49,9 @@ std::string writeToken(const std::string& dir, const std::string& token);
 // The token on the first line of `path`; throws ConfigError naming `where` when it cannot.
 std::string readToken(const std::string& path, const std::string& where);
 
+// A new agent id: 16 random hex digits, unique to this agent process among the run's agents.
+std::string newAgentId();
+
 // The current wall-clock time, ISO 8601 (UTC).
 std::string utcNow();
 

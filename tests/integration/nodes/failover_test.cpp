@@ -45,22 +45,68 @@ class Failover : public ::testing::Test {
   }
 };
 
+// The agent that says it waits as a spare; -1 (with a test failure) when none does.
+int spareOf(NodeJob& job) {
+  for (int i = 0; i < job.agents(); ++i) {
+    if (job.err(i).find("waits as a spare") != std::string::npos) return i;
+  }
+  ADD_FAILURE() << "no agent says it waits as a spare\n" << job.allErr();
+  return -1;
+}
+
+// SIGKILLs member `victim`: the spare takes its place, its ranks from the peer copy (at most one
+// step redone), and the run of `ranks` ranks ends bit-identical to one that lost nothing.
+void spareTakesOver(NodeJob& job, int victim, int ranks) {
+  const double killedAt = unixNow();
+  ASSERT_TRUE(job.kill(victim));
+  const json summary = survivorsSucceed(job, victim, 400s);
+  ASSERT_TRUE(summary.is_object() && summary.contains("params_sha256")) << job.allErr();
+  const auto around = aroundKill(job.metricsPath(), killedAt);
+  ASSERT_TRUE(around.resume.is_object()) << "no resume line\n" << job.allErr();
+  EXPECT_EQ(around.resume.value("source", ""), "peer copy") << job.allErr();
+  EXPECT_GE(around.resume["step"].get<long long>(), around.doneBefore - 1) << "more than one step redone";
+  EXPECT_EQ(summary.value("world_size", 0), ranks) << "the spare keeps the job's size";
+  EXPECT_EQ(summary.value("steps", 0), kSteps);
+
+  auto whole = mnist({"--snapshot_every", "0"}, kSteps);
+  whole.insert(whole.begin(), {kBin + "/fsdprun", "--nproc_per_node", std::to_string(ranks)});
+  const auto reference = runCommand(whole, 300s, {"FSDPRUN_BACKEND=gloo", job.tag()});
+  ASSERT_EQ(reference.exitCode, 0) << reference.err;
+  EXPECT_EQ(summary.value("params_sha256", ""), summaryOf(reference.out).value("params_sha256", "?"))
+      << "the run with a spare ended elsewhere than " << ranks << " ranks that lost nothing";
+  EXPECT_EQ(job.leftovers(), std::vector<std::string>{});
+}
+
 // Must-show 1 of issue 32: 3 nodes of 2 workers, node 0's agent serves the rendezvous and is
 // SIGKILLed with its workers mid-training. The two survivors move the rendezvous to node 1,
 // restore node 0's ranks from its peer copy, and end as a 2-node run resumed from that step.
-TEST_F(Failover, KillingTheAgentThatServesTheRendezvousLeavesTheRunToTheSurvivorsFromMemory) {
-  NodeJob job("host", {.agents = 3, .nnodes = "2:3", .nprocPerNode = 2, .steps = kSteps, .agentHosts = true});
+// With `shared` (issue 41), the three agents share one address and one host name, as several
+// agents on one machine do: each must know itself among the successors by its agent id.
+void killTheHost(bool shared) {
+  NodeJob job(shared ? "host-shared" : "host",
+              {.agents = 3, .nnodes = "2:3", .nprocPerNode = 2, .steps = kSteps, .agentHosts = true,
+               .sharedAddress = shared});
   // All three in the round (a round of two may form first, after the last call).
   ASSERT_TRUE(job.waitForWorkers(3, 300s)) << job.allErr();
   ASSERT_TRUE(job.waitForStep(kKillAfter, 300s)) << job.allErr();
   const int host = job.agentOfRank(0);
-  ASSERT_EQ(host, 0) << "agent 0 (127.0.0.2, the endpoint) should be node 0\n" << job.allErr();
+  ASSERT_EQ(host, 0) << "agent 0 (the endpoint) should be node 0\n" << job.allErr();
   const double killedAt = unixNow();
   ASSERT_TRUE(job.kill(host));
   const json summary = survivorsSucceed(job, host, 400s);
   ASSERT_TRUE(summary.is_object() && summary.contains("params_sha256")) << job.allErr();
-  EXPECT_NE(job.err(1).find("serving the rendezvous of run"), std::string::npos) << job.allErr();
-  EXPECT_NE(job.err(2).find("goes on with the rendezvous at 127.0.0.3"), std::string::npos) << job.allErr();
+  if (shared) {
+    // One survivor serves, the other joins it; neither takes itself for the other.
+    const int server = job.err(1).find("serving the rendezvous of run") != std::string::npos ? 1 : 2;
+    EXPECT_NE(job.err(server).find("serving the rendezvous of run"), std::string::npos) << job.allErr();
+    EXPECT_EQ(job.err(3 - server).find("serving the rendezvous of run"), std::string::npos) << job.allErr();
+    EXPECT_NE(job.err(3 - server).find("goes on with the rendezvous at 127.0.0.1"), std::string::npos)
+        << job.allErr();
+    for (const int i : {1, 2}) EXPECT_EQ(job.err(i).find("cannot serve the rendezvous"), std::string::npos) << job.allErr();
+  } else {
+    EXPECT_NE(job.err(1).find("serving the rendezvous of run"), std::string::npos) << job.allErr();
+    EXPECT_NE(job.err(2).find("goes on with the rendezvous at 127.0.0.3"), std::string::npos) << job.allErr();
+  }
 
   const auto around = aroundKill(job.metricsPath(), killedAt);
   ASSERT_TRUE(around.resume.is_object()) << "no resume line\n" << job.allErr();
@@ -79,6 +125,47 @@ TEST_F(Failover, KillingTheAgentThatServesTheRendezvousLeavesTheRunToTheSurvivor
   EXPECT_EQ(reference.value("resumed_from_step", -1), resumed);
   EXPECT_EQ(summary.value("params_sha256", ""), reference.value("params_sha256", "?"))
       << "the survivors ended elsewhere than 4 ranks resumed from step " << resumed;
+  EXPECT_EQ(job.leftovers(), std::vector<std::string>{});
+}
+
+TEST_F(Failover, KillingTheAgentThatServesTheRendezvousLeavesTheRunToTheSurvivorsFromMemory) { killTheHost(false); }
+
+TEST_F(Failover, KillingTheServingAgentOfAgentsThatShareOneAddressLeavesTheRunToTheSurvivors) { killTheHost(true); }
+
+// Issue 41: 3 agents on 127.0.0.1 for --nnodes 2 (one waits as a spare), agent 0 serving. A
+// member that does not serve is SIGKILLed; the spare takes its place from the peer copy and the
+// run ends bit-identical to 2 ranks that lost nothing.
+TEST_F(Failover, ASpareOnTheSameAddressTakesTheLostNodesPlaceBitIdentically) {
+  NodeJob job("spare-shared", {.agents = 3, .nnodes = "2", .steps = kSteps, .agentHosts = true, .sharedAddress = true});
+  ASSERT_TRUE(job.waitForStep(kKillAfter, 300s)) << job.allErr();
+  const int spare = spareOf(job);
+  ASSERT_GE(spare, 0);
+  int victim = -1;
+  for (int i = 1; i < job.agents(); ++i) {
+    if (i != spare && !job.ranksUnder(i).empty()) victim = i;
+  }
+  ASSERT_GE(victim, 1) << "no member other than the serving agent 0\n" << job.allErr();
+  spareTakesOver(job, victim, 2);
+}
+
+// Issue 41: 2 agents on 127.0.0.1 for --nnodes 2; the serving one is SIGKILLed. The survivor
+// serves in its place, but the run's only other member is the lost server: it waits as long as
+// the failover can take (the successors' turns and a heartbeat timeout), not the join timeout
+// (600 s), and its last line names whom it waited for.
+TEST_F(Failover, ASurvivorLeftBelowTheMinimumSaysWhomItWaitedForAndEndsInBoundedTime) {
+  NodeJob job("alone-shared", {.agents = 2, .nnodes = "2", .steps = 400, .agentHosts = true, .sharedAddress = true});
+  ASSERT_TRUE(job.waitForStep(4, 300s)) << job.allErr();
+  ASSERT_TRUE(job.kill(0));
+  const auto rc = job.wait(1, 200s);
+  ASSERT_TRUE(rc.has_value()) << "the survivor still waits\n" << job.allErr();
+  EXPECT_EQ(*rc, 1) << job.allErr();
+  const std::string err = job.err(1);
+  EXPECT_NE(err.find("serving the rendezvous of run"), std::string::npos) << err;
+  EXPECT_NE(err.find("after the rendezvous moved this node waited"), std::string::npos) << err;
+  EXPECT_NE(err.find("for the last round's other members: the lost server at 127.0.0.1:" +
+                     std::to_string(job.rdzvPort())),
+            std::string::npos)
+      << err;
   EXPECT_EQ(job.leftovers(), std::vector<std::string>{});
 }
 
@@ -114,32 +201,12 @@ TEST_F(Failover, ASuccessorThatCannotServeIsPassedOverForTheNext) {
 TEST_F(Failover, ASpareTakesTheLostNodesRanksAndTheRunEndsBitIdenticalToAnUninterruptedOne) {
   NodeJob job("spare", {.agents = 5, .nnodes = "4", .steps = kSteps});
   ASSERT_TRUE(job.waitForStep(kKillAfter, 300s)) << job.allErr();
-  int spare = -1;
-  for (int i = 0; i < job.agents(); ++i) {
-    if (job.err(i).find("waits as a spare") != std::string::npos) spare = i;
-  }
-  ASSERT_GE(spare, 0) << "no agent says it waits as a spare\n" << job.allErr();
+  const int spare = spareOf(job);
+  ASSERT_GE(spare, 0);
   EXPECT_TRUE(job.ranksUnder(spare).empty());
   const int victim = job.agentOfRank(1);
   ASSERT_GE(victim, 0);
-  const double killedAt = unixNow();
-  ASSERT_TRUE(job.kill(victim));
-  const json summary = survivorsSucceed(job, victim, 400s);
-  ASSERT_TRUE(summary.is_object() && summary.contains("params_sha256")) << job.allErr();
-  const auto around = aroundKill(job.metricsPath(), killedAt);
-  ASSERT_TRUE(around.resume.is_object()) << "no resume line\n" << job.allErr();
-  EXPECT_EQ(around.resume.value("source", ""), "peer copy") << job.allErr();
-  EXPECT_GE(around.resume["step"].get<long long>(), around.doneBefore - 1) << "more than one step redone";
-  EXPECT_EQ(summary.value("world_size", 0), 4) << "the spare keeps the job's size";
-  EXPECT_EQ(summary.value("steps", 0), kSteps);
-
-  auto whole = mnist({"--snapshot_every", "0"}, kSteps);
-  whole.insert(whole.begin(), {kBin + "/fsdprun", "--nproc_per_node", "4"});
-  const auto reference = runCommand(whole, 300s, {"FSDPRUN_BACKEND=gloo", job.tag()});
-  ASSERT_EQ(reference.exitCode, 0) << reference.err;
-  EXPECT_EQ(summary.value("params_sha256", ""), summaryOf(reference.out).value("params_sha256", "?"))
-      << "the run with a spare ended elsewhere than 4 ranks that lost nothing";
-  EXPECT_EQ(job.leftovers(), std::vector<std::string>{});
+  spareTakesOver(job, victim, 4);
 }
 
 // A spare whose command differs from the run's is refused with one line naming both.

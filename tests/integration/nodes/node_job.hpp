@@ -1,8 +1,9 @@
 #pragma once
 // Test helper for multi-node jobs on loopback: a standalone fsdprun-rdzv daemon and one fsdprun
-// agent per "node" (127.0.0.2, .3, ...), each with its own stdout/stderr file, all running the
-// mnist trainer with a shared metrics file; finding the agent of a rank or of a group rank, and
-// killing agents (with their workers) by SIGKILL. Every wait is bounded.
+// agent per "node" (127.0.0.2, .3, ..., or all on 127.0.0.1: sharedAddress), each with its own
+// stdout/stderr file, all running the mnist trainer with a shared metrics file; finding the
+// agent of a rank or of a group rank, and killing agents (with their workers) by SIGKILL. Every
+// wait is bounded.
 //
 //   NodeJob job("loss", {.agents = 4, .nnodes = "3:4"});
 //   ASSERT_TRUE(job.waitForStep(12, 240s));
@@ -90,6 +91,9 @@ struct NodeJobOptions {
   // Agent 0 serves the rendezvous itself (on 127.0.0.2, is_host=true), as under Slurm, instead
   // of a standalone daemon.
   bool agentHosts = false;
+  // Every agent on 127.0.0.1 without --local_addr, as several agents on one machine run: they
+  // share one host name and one address (agent 0, when it hosts, serves on 127.0.0.1).
+  bool sharedAddress = false;
 };
 
 class NodeJob {
@@ -99,7 +103,8 @@ class NodeJob {
       : options_(std::move(options)), runId_(uniqueRunId(what)), tag_("FSDP_NODES_TAG=" + runId_) {
     if (!options_.agentHosts) daemon_.emplace();
     rdzvPort_ = options_.agentHosts ? freeLoopbackPort() : daemon_->port();
-    const std::string endpoint = (options_.agentHosts ? "127.0.0.2:" : "127.0.0.1:") + std::to_string(rdzvPort_);
+    const std::string endpoint =
+        (options_.agentHosts && !options_.sharedAddress ? "127.0.0.2:" : "127.0.0.1:") + std::to_string(rdzvPort_);
     std::vector<std::string> env = fsdp::currentEnvironment();
     env.push_back(tag_);
     env.push_back("TMPDIR=" + dir_.path());
@@ -127,11 +132,10 @@ class NodeJob {
                                        endpoint,
                                        "--rdzv_id",
                                        runId_,
-                                       "--local_addr",
-                                       "127.0.0." + std::to_string(i + 2),
                                        "--rdzv_conf",
                                        options_.agentHosts && i == 0 ? "is_host=true" + options_.rdzvConf.substr(options_.rdzvConf.find(','))
                                                                      : options_.rdzvConf};
+      if (!options_.sharedAddress) argv.insert(argv.end(), {"--local_addr", "127.0.0." + std::to_string(i + 2)});
       argv.insert(argv.end(), options_.launcherFlags.begin(), options_.launcherFlags.end());
       argv.insert(argv.end(), job.begin(), job.end());
       fsdp::SpawnOptions spawn{.argv = argv, .env = env, .deathSignal = SIGKILL};

@@ -59,12 +59,17 @@ struct JoinRequest {
   int restarts = 0;           // the run's restart count in that round
   std::string program;        // the command its workers run; "" = not checked
   bool servesRendezvous = false;  // this agent hosts the server: never its own successor
+  // Unique to the agent process (random, made at its start): several agents may share one host
+  // name and one address (elasticity tried on one machine), so neither tells them apart.
+  std::string agentId;        // "" = an agent that sends none
 };
 
-// A member that may serve the rendezvous when its host is lost.
+// A member that may serve the rendezvous when its host is lost. An agent recognises itself by
+// its agent id (by node and address only when the id is empty).
 struct Successor {
   std::string node;
   std::string address;
+  std::string agentId;
 };
 
 struct Assignment {
