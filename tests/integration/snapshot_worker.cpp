@@ -26,33 +26,10 @@
 #include <string>
 #include <vector>
 
-#include "fsdp/common/sha256.hpp"
 #include "fsdp/worker/runtime.hpp"
 #include "fsdp/worker/snapshot.hpp"
-#include "fsdp/worker/torch_compat.hpp"
+#include "state_hash.hpp"
 
-namespace {
-
-std::string stateHash(fsdp::FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer) {
-  fsdp::Sha256 hash;
-  const auto add = [&](const at::Tensor& t) {
-    const auto c = t.detach().to(at::kCPU).contiguous();
-    hash.update(std::string_view(static_cast<const char*>(c.data_ptr()), static_cast<std::size_t>(c.nbytes())));
-  };
-  for (const auto& p : model->parameters()) add(p);
-  // In parameter order: the state map's own order follows tensor addresses, which a restart changes.
-  for (const auto& p : model->parameters()) {
-    const auto& states = optimizer.state();
-    const auto it = states.find(fsdp::worker::compat::optimizerStateKey(states, p));
-    if (it == states.end()) continue;
-    const auto& adam = static_cast<const torch::optim::AdamParamState&>(*it->second);
-    add(adam.exp_avg());
-    add(adam.exp_avg_sq());
-  }
-  return hash.hexDigest();
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   if (argc < 4) {
@@ -91,7 +68,7 @@ int main(int argc, char** argv) {
     std::ifstream in(out + "/hash_" + std::to_string(rt->rank()) + "_" + std::to_string(step));
     std::string expected;
     std::getline(in, expected);
-    matches = expected == stateHash(model, optimizer);
+    matches = expected == fsdp::testing::adamStateHash(model, optimizer);
   }
   torch::manual_seed(100 + rt->rank() + step);
   const std::int64_t checkStep = step + 2;  // this attempt's second step
@@ -111,7 +88,7 @@ int main(int argc, char** argv) {
     // The state's hash goes to disk before its snapshot can exist, whole (renamed into place): the
     // agent stops this rank as soon as a peer dies, maybe in the middle of this step.
     const std::string hashFile = out + "/hash_" + std::to_string(rt->rank()) + "_" + std::to_string(step);
-    std::ofstream(hashFile + ".tmp") << stateHash(model, optimizer) << "\n";
+    std::ofstream(hashFile + ".tmp") << fsdp::testing::adamStateHash(model, optimizer) << "\n";
     std::filesystem::rename(hashFile + ".tmp", hashFile);
     snapshots.save(model, &optimizer, {.step = step});
     // Views of the frozen state (a checkpoint writer's) must not stop the next step from

@@ -11,6 +11,8 @@
 #include <stdexcept>
 #include <thread>
 
+#include "fsdp/common/process.hpp"
+
 namespace fsdp::testing {
 namespace {
 
@@ -143,6 +145,11 @@ int parentOf(int pid) {
   int ppid = -1;
   rest >> state >> ppid;
   return ppid;
+}
+
+bool haveStackTool() {
+  std::string why;
+  return fsdp::findExecutable("eu-stack", &why) || fsdp::findExecutable("gdb", &why);
 }
 
 }  // namespace fsdp::testing

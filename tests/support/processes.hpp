@@ -31,6 +31,9 @@ int freeLoopbackPort();
 // The parent pid of `pid` (from /proc/<pid>/stat), or -1.
 int parentOf(int pid);
 
+// Whether the agent's stack tools are installed (eu-stack, else gdb): hang reports carry stacks.
+bool haveStackTool();
+
 // A listening socket on 127.0.0.1 that never accepts or answers: a foreign service holding a
 // port. Closed by the destructor.
 class SilentListener {

@@ -32,10 +32,7 @@ const std::string kBin = FSDP_BIN_DIR;
 constexpr int kSteps = 12;
 constexpr int kRanks = 3;
 
-bool haveStackTool() {
-  std::string why;
-  return fsdp::findExecutable("eu-stack", &why) || fsdp::findExecutable("gdb", &why);
-}
+using fsdp::testing::haveStackTool;
 
 std::vector<std::string> worker(const std::string& dir, const std::vector<std::string>& extra) {
   std::vector<std::string> argv = {kBin + "/stall_worker", "--dir", dir, "--steps", std::to_string(kSteps),

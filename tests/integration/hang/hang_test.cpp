@@ -37,10 +37,7 @@ std::vector<std::string> mnist(const std::vector<std::string>& extra) {
   return argv;
 }
 
-bool haveStackTool() {
-  std::string why;
-  return fsdp::findExecutable("eu-stack", &why) || fsdp::findExecutable("gdb", &why);
-}
+using fsdp::testing::haveStackTool;
 
 class Hangs : public ::testing::Test {
  protected:

@@ -29,12 +29,11 @@
 #include <string>
 
 #include "fsdp/common/error.hpp"
-#include "fsdp/common/sha256.hpp"
 #include "fsdp/worker/checkpoint.hpp"
 #include "fsdp/worker/flight_recorder.hpp"
 #include "fsdp/worker/runtime.hpp"
 #include "fsdp/worker/snapshot.hpp"
-#include "fsdp/worker/torch_compat.hpp"
+#include "state_hash.hpp"
 
 // The user's own code where a rank gets stuck; the hang report's stacks must name them.
 extern "C" __attribute__((noinline)) void stall_worker_stuck_before_save() {
@@ -82,24 +81,6 @@ Flags parse(int argc, char** argv) {
   }
   if (f.dir.empty()) throw fsdp::ConfigError("--dir is required");
   return f;
-}
-
-std::string stateHash(fsdp::FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer) {
-  fsdp::Sha256 hash;
-  const auto add = [&](const at::Tensor& t) {
-    const auto c = t.detach().contiguous();
-    hash.update(std::string_view(static_cast<const char*>(c.data_ptr()), static_cast<std::size_t>(c.nbytes())));
-  };
-  for (const auto& p : model->parameters()) {
-    add(p);
-    const auto& states = optimizer.state();
-    const auto it = states.find(fsdp::worker::compat::optimizerStateKey(states, p));
-    if (it == states.end()) continue;
-    const auto& adam = static_cast<const torch::optim::AdamParamState&>(*it->second);
-    add(adam.exp_avg());
-    add(adam.exp_avg_sq());
-  }
-  return hash.hexDigest();
 }
 
 // Appends one JSON line (one write, O_APPEND: lines of several ranks never interleave).
@@ -178,7 +159,7 @@ int run(const Flags& f) {
     }
   }
   if (snapshots) snapshots->wait();
-  std::ofstream(f.dir + "/final_" + std::to_string(rank)) << stateHash(model, optimizer) << "\n";
+  std::ofstream(f.dir + "/final_" + std::to_string(rank)) << fsdp::testing::adamStateHash(model, optimizer) << "\n";
   if (rank == 0) {
     std::printf("{\"steps\": %lld, \"resumed_step\": %s, \"resumed_from\": %s, \"attempt\": %d}\n", step,
                 resumed ? std::to_string(resumed->step).c_str() : "null",

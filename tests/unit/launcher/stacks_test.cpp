@@ -17,6 +17,7 @@
 
 #include "fsdp/common/process.hpp"
 #include "fsdp/common/snapshot_wire.hpp"
+#include "processes.hpp"
 
 using fsdp::launcher::detail::inspectProcess;
 using namespace std::chrono_literals;
@@ -94,10 +95,7 @@ char stateOf(pid_t pid) {
   return close == std::string::npos || close + 2 >= stat.size() ? '?' : stat[close + 2];
 }
 
-bool haveStackTool() {
-  std::string why;
-  return fsdp::findExecutable("eu-stack", &why) || fsdp::findExecutable("gdb", &why);
-}
+using fsdp::testing::haveStackTool;
 
 constexpr const char* kNoTool = "neither eu-stack (elfutils) nor gdb is installed";
 
