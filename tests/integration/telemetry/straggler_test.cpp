@@ -117,7 +117,8 @@ TEST(Stragglers, ARankSlowedFromOutsideIsNamedThenReportedRecoveredAndTheOthersA
     if (named(l)) {
       EXPECT_GE(l["factor"].get<double>(), 1.5) << l.dump();
       EXPECT_GT(l["compute_ms"].get<double>(), l["median_compute_ms"].get<double>()) << l.dump();
-      EXPECT_LT(l["wait_ms"].get<double>(), l["compute_ms"].get<double>()) << l.dump();
+      // (Not wait < compute: the duty cycle stops the rank inside its collectives too, and which
+      // part comes out longer depends on the machine's load; under ctest -j2 it went either way.)
     }
   }
   // The log line on the console, and the run's summary.
