@@ -263,6 +263,24 @@ Observed runPeer(const Config& c, int checkpointEvery, KillAt at) {
   return runJob(launch, dir, Kill::kWorker, at, std::chrono::seconds(180 + 6 * c.steps));
 }
 
+// fsdprun (1 node, 2 workers, --max_restarts 3) running the same script with fsdprun's Python
+// module: restore() on a start, snapshot() every `snapshotEvery` steps (0: none), no torch.save.
+Observed runPythonModule(const Config& c, int snapshotEvery, Kill kill, KillAt at) {
+  RunDir dir;
+  Launch launch{.runId = newRunId(), .metricsFile = dir.path() + "/metrics.jsonl"};
+  launch.env = jobEnvironment(launch.runId);
+  launch.env.push_back("PYTHON_EXEC=/usr/bin/python3");
+  fs::create_directories(dir.path() + "/ckpt");
+  launch.agents.push_back({binDir() + "/fsdprun", "--nproc_per_node", "2", "--max_restarts",
+                           std::to_string(kMaxRestarts), "--rdzv_id", launch.runId,
+                           std::string(FSDP_SOURCE_DIR) + "/bench/peer/recovery_torch.py", "--model", "deep",
+                           "--steps", std::to_string(c.steps), "--batch_size", std::to_string(c.batch),
+                           "--checkpoint_every", "0", "--checkpoint_dir", dir.path() + "/ckpt",
+                           "--metrics_file", launch.metricsFile, "--fsdprun_snapshot_every",
+                           std::to_string(snapshotEvery)});
+  return runJob(launch, dir, kill, at, std::chrono::seconds(180 + 6 * c.steps));
+}
+
 // One job, its failure to start (a binary being rebuilt, no free port) reported like any other.
 template <typename Fn>
 Observed attempt(Fn&& run) {
@@ -450,6 +468,42 @@ void recovery(const Args& args) {
         emit(line);
         continue;
       }
+      // A PyTorch script with fsdprun's module (snapshots every step), on the same kill step.
+      std::optional<nlohmann::json> python;
+      {
+        const KillAt at{target, drawFraction()};
+        nlohmann::json line = modelBase;
+        line.update({{"system", "fsdprun + import fsdprun (PyTorch DDP script)"},
+                     {"layout", "2x1"},
+                     {"agents", 1},
+                     {"workers_per_agent", 2},
+                     {"kill", "worker"},
+                     {"snapshot_every", 1}});
+        python = report(line, attempt([&] { return runPythonModule(c, 1, Kill::kWorker, at); }), at);
+      }
+      if (has("overhead")) {
+        // The module's per-step cost: snapshot() every step vs none, alternating by rep.
+        Config shorter = c;
+        shorter.steps = std::max<long long>(kWarmupSteps + 12, c.steps / 2);
+        std::map<int, double> ms;
+        for (const int every : rep % 2 == 0 ? std::vector<int>{0, 1} : std::vector<int>{1, 0}) {
+          const auto seen = attempt([&] { return runPythonModule(shorter, every, Kill::kNone, {}); });
+          if (seen.finished) ms[every] = stepMs(seen.lines);
+        }
+        nlohmann::json line = modelBase;
+        line.update({{"what", "snapshot_overhead"},
+                     {"system", "fsdprun + import fsdprun (PyTorch DDP script)"},
+                     {"layout", "2x1"},
+                     {"steps", shorter.steps}});
+        if (ms.size() == 2) {
+          line.update({{"step_ms_off", ms[0]},
+                       {"step_ms_on", ms[1]},
+                       {"overhead_pct", 100.0 * (ms[1] / ms[0] - 1.0)}});
+        } else {
+          line["error"] = "a run did not finish";
+        }
+        emit(line);
+      }
       for (const long long k : checkpointEvery) {
         const KillAt at{target, drawFraction()};
         nlohmann::json line = modelBase;
@@ -468,6 +522,15 @@ void recovery(const Args& args) {
                           {"checkpoint_every", k},
                           {"ratio", line["kill_to_caught_up_s"].get<double>() /
                                         (*oursWorker)["kill_to_caught_up_s"].get<double>()}});
+          emit(compare);
+        }
+        if (python && python->contains("kill_to_caught_up_s") && line.contains("kill_to_caught_up_s")) {
+          nlohmann::json compare = modelBase;
+          compare.update({{"compare", "kill_to_caught_up_s, torchrun / fsdprun with import fsdprun (same "
+                                      "script, 2x1, worker kill)"},
+                          {"checkpoint_every", k},
+                          {"ratio", line["kill_to_caught_up_s"].get<double>() /
+                                        (*python)["kill_to_caught_up_s"].get<double>()}});
           emit(compare);
         }
       }

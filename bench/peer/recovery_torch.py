@@ -8,7 +8,11 @@ Rank 0 appends JSON lines to --metrics_file, as fsdprun's Trainer does:
   {"type": "train", "step": S, "step_time_ms": ..., "unix_time": ...}   after every step
   {"type": "resume", "step": S, "source": "disk"|"none", "restore_ms": ..., "unix_time": ...}
 the resume line once the state is restored, on every restart (source "none", step 0, when
-no checkpoint had been written yet)."""
+no checkpoint had been written yet).
+
+With --fsdprun_snapshot_every N (under fsdprun): the same script with fsdprun's Python module, as
+a PyTorch user adds it: fsdprun.restore() on a start (source "memory" or "peer copy"),
+mark_progress every step and fsdprun.snapshot() every N steps."""
 import argparse
 import glob
 import json
@@ -56,6 +60,9 @@ def main():
     ap.add_argument("--checkpoint_dir", required=True)
     ap.add_argument("--metrics_file", required=True)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fsdprun_snapshot_every", type=int, default=-1,
+                    help="under fsdprun: resume with fsdprun.restore(), mark progress every step and "
+                         "fsdprun.snapshot() every N steps (0: none); -1: the torchrun recipe alone")
     args = ap.parse_args()
     torch.set_num_threads(1)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -68,6 +75,16 @@ def main():
     # Every rank reads the newest checkpoint rank 0 wrote (one file system: one machine).
     restore_start = time.time()  # restore_ms: the load alone, as the trainer's
     start, path = newest_checkpoint(args.checkpoint_dir)
+    source = "disk" if path else "none"
+    module = None
+    if args.fsdprun_snapshot_every >= 0:
+        import fsdprun as module  # the agent put it on PYTHONPATH
+        restored = module.restore()
+        if restored is not None:
+            start, state = restored
+            model.module.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            source, path = module.restored_from(), None
     if path is not None:
         state = torch.load(path, map_location="cpu")
         model.module.load_state_dict(state["model"])
@@ -81,7 +98,7 @@ def main():
         metrics.flush()
 
     if rank == 0 and restart > 0:
-        write({"type": "resume", "step": start, "source": "disk" if path else "none",
+        write({"type": "resume", "step": start, "source": source,
                "restore_ms": 1000.0 * (time.time() - restore_start), "process_age_s": process_age(),
                "unix_time": time.time()})
     g = torch.Generator().manual_seed(args.seed + 1)
@@ -101,6 +118,10 @@ def main():
             torch.save({"model": model.module.state_dict(), "optimizer": opt.state_dict(),
                         "step": step}, tmp)
             os.replace(tmp, os.path.join(args.checkpoint_dir, f"step_{step}.pt"))
+        if module is not None:
+            module.mark_progress(step)
+            if args.fsdprun_snapshot_every > 0 and step % args.fsdprun_snapshot_every == 0:
+                module.snapshot(step, {"model": model.module.state_dict(), "optimizer": opt.state_dict()})
         if rank == 0:
             write({"type": "train", "step": step, "loss": loss.item(),
                    "step_time_ms": 1000.0 * (time.perf_counter() - begin), "unix_time": time.time()})

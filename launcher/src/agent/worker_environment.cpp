@@ -1,12 +1,34 @@
 // The workers' environment: torchrun's variables and fsdprun's own, on top of the agent's.
 #include "fsdp/launcher/agent.hpp"
 
+#include <cstdlib>
+#include <filesystem>
 #include <map>
 #include <string>
 #include <utility>
 #include <vector>
 
 namespace fsdp::launcher {
+
+std::string pythonModuleDir() {
+  const auto holds = [](const std::filesystem::path& dir) {
+    std::error_code ec;
+    return std::filesystem::is_regular_file(dir / "fsdprun" / "__init__.py", ec);
+  };
+  if (const char* dir = std::getenv("FSDPRUN_PYTHON_DIR"); dir != nullptr && *dir != '\0') {
+    return holds(dir) ? std::string(dir) : std::string();
+  }
+  std::error_code ec;
+  const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (ec) return "";
+  const auto bin = exe.parent_path();
+  // A build tree (build/bin/fsdprun, build/python/fsdprun), or an installed prefix
+  // (<prefix>/bin/fsdprun, <prefix>/lib/fsdprun/python/fsdprun).
+  for (const auto& dir : {bin.parent_path() / "python", bin.parent_path() / "lib" / "fsdprun" / "python"}) {
+    if (holds(dir)) return dir.lexically_normal().string();
+  }
+  return "";
+}
 
 std::vector<std::string> workerEnvironment(const LaunchOptions& options, const WorkerIdentity& id,
                                            const WorkerContact& contact,
@@ -38,14 +60,23 @@ std::vector<std::string> workerEnvironment(const LaunchOptions& options, const W
   if (!contact.snapshotSocket.empty()) {
     set["FSDPRUN_SNAPSHOT_SOCKET"] = contact.snapshotSocket;
     set["FSDPRUN_SNAPSHOT_PEER"] = contact.snapshotPeer;
+    set["FSDPRUN_SNAPSHOT_MEMORY_LIMIT"] = std::to_string(options.snapshotMemoryLimit);
   }
   std::vector<std::string> env;
   bool haveOmp = false;
   bool haveTunables = false;
+  // fsdprun's Python module (`import fsdprun`), after the user's own entries.
+  const std::string python = pythonModuleDir();
+  bool havePythonPath = false;
   for (auto& entry : base) {
     const std::string key = entry.substr(0, entry.find('='));
     if (key == "OMP_NUM_THREADS") haveOmp = true;
     if (key == "GLIBC_TUNABLES") haveTunables = true;
+    if (key == "PYTHONPATH" && !python.empty()) {
+      havePythonPath = true;
+      const std::string value = entry.substr(entry.find('=') + 1);
+      entry = "PYTHONPATH=" + (value.empty() ? python : value + ":" + python);
+    }
     // A token left in the agent's own environment never reaches the workers.
     if (key == "FSDPRUN_TOKEN") continue;
     if (!set.contains(key)) env.push_back(std::move(entry));
@@ -56,6 +87,7 @@ std::vector<std::string> workerEnvironment(const LaunchOptions& options, const W
   // time instead of 4 KB: fewer faults every step, a faster restart (a worker's start-up and a
   // snapshot's restore touch gigabytes) and a faster exit. A GLIBC_TUNABLES of the user's wins.
   if (!haveTunables) env.push_back("GLIBC_TUNABLES=glibc.malloc.hugetlb=1");
+  if (!havePythonPath && !python.empty()) env.push_back("PYTHONPATH=" + python);
   for (const auto& [key, value] : set) env.push_back(key + "=" + value);
   return env;
 }

@@ -91,8 +91,16 @@ std::string inspectSurvivors(const WorkerGroup& group, int failedLocalRank, doub
   if (failedAfterSeconds < kSurvivorStacksAfterSeconds) return "";
   std::vector<std::pair<WatchedWorker, std::future<ProcessInspection>>> looks;
   for (const auto& w : group.watched()) {
-    if (w.localRank == failedLocalRank || (w.ring && w.ring->read(0).attached)) continue;  // libfsdp: the watchdog's
-    looks.emplace_back(w, std::async(std::launch::async, [pid = w.pid, timeout] { return inspectProcess(pid, timeout); }));
+    // libfsdp's: the watchdog's (a Python script's ring, attached by fsdprun's module, is not).
+    const bool python = w.pystacks && pythonStacksRegistered(*w.pystacks, w.pid);
+    if (w.localRank == failedLocalRank || (w.ring && w.ring->read(0).attached && !python)) continue;
+    looks.emplace_back(w, std::async(std::launch::async, [w, timeout] {
+                         // The Python stacks first: a ptrace attach would hold the signal that asks for them.
+                         const std::string py = withPythonStacks(w, "");
+                         ProcessInspection seen = inspectProcess(w.pid, timeout);
+                         if (!py.empty()) seen.stack = py + (seen.stack.empty() ? "" : "native:\n" + seen.stack);
+                         return seen;
+                       }));
   }
   std::string out;
   for (auto& [w, look] : looks) {

@@ -267,9 +267,12 @@ HangReport HangWatchdog::collect(const std::string& declaredBy, std::int64_t qui
   for (auto& v : local) {
     // An exited worker's pid may belong to someone else by now: never traced.
     if (!analysis.lagging.count(v.rank) || stopping_.load() || v.state == "exited") continue;
+    const auto worker = std::find_if(workers_.begin(), workers_.end(), [&](const WatchedWorker& w) { return w.rank == v.rank; });
+    // The Python stacks first: a ptrace attach would hold the signal that asks for them.
+    const std::string python = worker != workers_.end() ? withPythonStacks(*worker, "") : "";
     const auto seen = inspectProcess(static_cast<pid_t>(v.pid), options_.stackTimeout);
     v.state = seen.stateName + (seen.wchan.empty() ? "" : ", waiting in " + seen.wchan);
-    v.stack = seen.stack;
+    v.stack = python.empty() ? seen.stack : python + (seen.stack.empty() ? "" : "native:\n" + seen.stack);
     v.stackError = seen.stackError;
   }
   store_->set(key("stacks/" + std::to_string(options_.nodeRank)), rankViewsToJson(local));

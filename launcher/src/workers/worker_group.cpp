@@ -89,19 +89,22 @@ WorkerGroup::WorkerGroup(std::vector<WorkerSpec> specs, const OutputOptions& out
     int standbyEnd = -1;
     int lifelineEnd = -1;
     int flightEnd = -1;
+    int pystacksEnd = -1;
     struct CloseChildEnds {
       SpawnOptions& s;
       int& standby;
       int& lifeline;
       int& flight;
+      int& pystacks;
       ~CloseChildEnds() {
         if (s.stdoutFd) ::close(*s.stdoutFd);
         if (s.stderrFd) ::close(*s.stderrFd);
         if (standby >= 0) ::close(standby);
         if (lifeline >= 0) ::close(lifeline);
         if (flight >= 0) ::close(flight);
+        if (pystacks >= 0) ::close(pystacks);
       }
-    } closer{spawn, standbyEnd, lifelineEnd, flightEnd};
+    } closer{spawn, standbyEnd, lifelineEnd, flightEnd, pystacksEnd};
     try {
       // The worker's flight recorder: the agent keeps the mapping, so the ring stays readable
       // however the worker ends.
@@ -110,6 +113,17 @@ WorkerGroup::WorkerGroup(std::vector<WorkerSpec> specs, const OutputOptions& out
       if (flightEnd >= 0) spawn.env.push_back("FSDPRUN_FLIGHT_FD=" + std::to_string(flightEnd));
     } catch (const Error& e) {
       log::warn("no flight recorder for local rank {} ({}): a hang of it is not seen", w.spec.localRank, e.what());
+    }
+    try {
+      // Where a Python worker that imported fsdprun writes its stacks when asked (py_stacks.hpp).
+      w.pystacks = PyStackFile::create();
+      pystacksEnd = ::fcntl(w.pystacks->fd(), F_DUPFD, 3);  // crosses exec
+      if (pystacksEnd >= 0) {
+        spawn.env.push_back("FSDPRUN_PYSTACK_FD=" + std::to_string(pystacksEnd));
+        spawn.env.push_back("FSDPRUN_PYSTACK_SIGNAL=" + std::to_string(pyStackSignal()));
+      }
+    } catch (const Error& e) {
+      log::debug("no Python stacks for local rank {} ({})", w.spec.localRank, e.what());
     }
     const std::size_t index = workers_.size() - 1;
     if (index < 256) {
@@ -336,7 +350,7 @@ std::size_t WorkerGroup::running() const {
 std::vector<WatchedWorker> WorkerGroup::watched() const {
   std::vector<WatchedWorker> out;
   for (const auto& w : workers_) {
-    if (w.process) out.push_back({w.spec.localRank, w.spec.rank, w.process->pid(), w.flight});
+    if (w.process) out.push_back({w.spec.localRank, w.spec.rank, w.process->pid(), w.flight, w.pystacks});
   }
   return out;
 }

@@ -21,6 +21,7 @@
 #include "fsdp/common/process.hpp"
 #include "fsdp/launcher/log_spec.hpp"
 #include "guardian.hpp"
+#include "py_stacks.hpp"
 
 namespace fsdp::launcher::detail {
 
@@ -52,6 +53,7 @@ struct WatchedWorker {
   int rank = 0;
   pid_t pid = -1;
   std::shared_ptr<const flight::RingMemory> ring;  // nullptr: none could be made
+  std::shared_ptr<const PyStackFile> pystacks;      // nullptr: none could be made
 };
 
 class WorkerGroup {
@@ -122,6 +124,7 @@ class WorkerGroup {
     int activation = -1;           // a standby's pipe (write end) until activate()
     std::unique_ptr<LifelineWatch> lifeline;
     std::shared_ptr<flight::RingMemory> flight;
+    std::shared_ptr<PyStackFile> pystacks;
   };
   void setUpStream(Worker& w, Stream& s, int bit, SpawnOptions& spawn);
   void readStream(Worker& w, Stream& s);

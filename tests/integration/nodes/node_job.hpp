@@ -82,7 +82,8 @@ struct NodeJobOptions {
   std::string nnodes = "3:4";
   int nprocPerNode = 1;
   int maxRestarts = 2;
-  std::vector<std::string> job;            // the training command; mnist when empty:
+  std::vector<std::string> job;            // the training command ("{metrics}" stands for
+                                           // metricsPath()); mnist when empty:
   int steps = 40;                          //   its steps,
   int checkpointEvery = 0;                 //   and disk checkpoints to checkpointDir() (0: none)
   std::vector<std::string> launcherFlags;  // more fsdprun flags
@@ -94,6 +95,7 @@ struct NodeJobOptions {
   // Every agent on 127.0.0.1 without --local_addr, as several agents on one machine run: they
   // share one host name and one address (agent 0, when it hosts, serves on 127.0.0.1).
   bool sharedAddress = false;
+  std::vector<std::string> env;  // more of the agents' environment ("KEY=VALUE")
 };
 
 class NodeJob {
@@ -109,7 +111,11 @@ class NodeJob {
     env.push_back(tag_);
     env.push_back("TMPDIR=" + dir_.path());
     env.push_back("FSDPRUN_BACKEND=gloo");
+    env.insert(env.end(), options_.env.begin(), options_.env.end());
     std::vector<std::string> job = options_.job;
+    for (auto& arg : job) {
+      if (arg == "{metrics}") arg = metricsPath();
+    }
     if (job.empty()) {
       std::vector<std::string> flags = {"--metrics_file", metricsPath()};
       if (options_.checkpointEvery > 0) {

@@ -86,6 +86,10 @@ struct WorkerContact {
   std::string snapshotSocket;  // the agent's snapshot keeper (empty: none)
   std::string snapshotPeer;    // its peer stream, host:port
 };
+// The folder that holds fsdprun's Python module (a `fsdprun/` package inside): FSDPRUN_PYTHON_DIR,
+// else beside this binary (build/python in a build tree, <prefix>/lib/fsdprun/python installed);
+// "" when there is none. Workers get it on their PYTHONPATH, after the user's entries.
+std::string pythonModuleDir();
 std::vector<std::string> workerEnvironment(const LaunchOptions& options, const WorkerIdentity& id,
                                            const WorkerContact& contact,
                                            std::vector<std::string> base);

@@ -1,0 +1,425 @@
+"""In-memory snapshots of a PyTorch script's state, held by fsdprun's agents.
+
+Speaks the keeper protocol of ``common/include/fsdp/common/snapshot_wire.hpp`` and
+``launcher/include/fsdp/launcher/snapshot_keeper.hpp``: a piece is a sealed memfd ("FSDPSNP1",
+the data offset, the header length, a JSON header, the data at 4096-aligned offsets) handed to the
+node's agent over an abstract SOCK_SEQPACKET socket (FSDPRUN_SNAPSHOT_SOCKET); a copy goes to the
+next node's agent over TCP (length-prefixed JSON frames, an HMAC under the job token), sent by a
+background thread. The header's "meta" holds the state's tree: {"d": [[key, value], ...]} for a
+dict, {"l": [...]} a list, {"u": [...]} a tuple, {"t": i} the i-th tensor of "blocks", {"v": x} a
+plain value, {"f": "nan"} a non-finite float.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import hmac
+import json
+import logging
+import math
+import mmap
+import os
+import queue
+import socket
+import struct
+import threading
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+MAGIC = b"FSDPSNP1"
+PREFIX_BYTES = 24
+ALIGN = 4096
+MAX_MESSAGE = 1 << 20
+
+_log = logging.getLogger("fsdprun")
+
+
+def _align(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def _dist():
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("fsdprun.snapshot/restore: call torch.distributed.init_process_group() first "
+                           "(every rank takes part: the ranks agree on the step to restore)")
+    return dist
+
+
+# -- the state's tree ------------------------------------------------------------------------
+
+def _encode(value: Any, tensors: List[Any], path: str) -> Any:
+    import torch
+    if isinstance(value, torch.Tensor):
+        if value.is_sparse or value.layout != torch.strided:
+            raise TypeError(f"fsdprun.snapshot: state{path} is a {value.layout} tensor: only dense "
+                            f"(strided) tensors can be held; call .to_dense() or leave it out")
+        tensors.append(value)
+        return {"t": len(tensors) - 1}
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return {"v": value}
+    if isinstance(value, float):
+        return {"v": value} if math.isfinite(value) else {"f": repr(value)}
+    if isinstance(value, dict):
+        return {"d": [[_encode(k, tensors, f"{path}[{k!r}] (a key)"), _encode(v, tensors, f"{path}[{k!r}]")]
+                      for k, v in value.items()]}
+    if isinstance(value, list):
+        return {"l": [_encode(v, tensors, f"{path}[{i}]") for i, v in enumerate(value)]}
+    if isinstance(value, tuple):
+        return {"u": [_encode(v, tensors, f"{path}[{i}]") for i, v in enumerate(value)]}
+    raise TypeError(f"fsdprun.snapshot: state{path} is a {type(value).__name__}: a snapshot holds tensors, "
+                    f"dicts, lists, tuples, int, float, bool, str and None; convert it (.item(), "
+                    f".tolist(), str()) or leave it out")
+
+
+def _decode(node: Dict[str, Any], tensors: List[Any]) -> Any:
+    if "t" in node:
+        return tensors[node["t"]]
+    if "v" in node:
+        return node["v"]
+    if "f" in node:
+        return float(node["f"])
+    if "d" in node:
+        return {_decode(k, tensors): _decode(v, tensors) for k, v in node["d"]}
+    if "l" in node:
+        return [_decode(v, tensors) for v in node["l"]]
+    if "u" in node:
+        return tuple(_decode(v, tensors) for v in node["u"])
+    raise ValueError(f"a malformed snapshot tree node: {str(node)[:100]}")
+
+
+# -- the keeper ------------------------------------------------------------------------------
+
+class _Keeper:
+    """The node's agent, over its Unix socket; one request at a time."""
+
+    def __init__(self, name: str):
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self._sock.settimeout(120)
+        self._sock.connect("\0" + name)
+        self._lock = threading.Lock()
+
+    def ask(self, request: Dict[str, Any], fd: Optional[int] = None) -> Tuple[Dict[str, Any], Optional[int]]:
+        with self._lock:
+            payload = json.dumps(request).encode()
+            if fd is None:
+                self._sock.send(payload)
+            else:
+                socket.send_fds(self._sock, [payload], [fd])
+            data, fds, _, _ = socket.recv_fds(self._sock, MAX_MESSAGE, 1)
+        if not data:
+            raise ConnectionError("the agent's snapshot keeper closed the connection")
+        return json.loads(data), (fds[0] if fds else None)
+
+
+def _frame(sock: socket.socket, text: str) -> None:
+    data = text.encode()
+    sock.sendall(struct.pack("=I", len(data)) + data)
+
+
+def _read_exact(sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(min(n - len(out), 1 << 20))
+        if not chunk:
+            raise ConnectionError("the peer keeper closed the stream")
+        out += chunk
+    return bytes(out)
+
+
+def _read_frame(sock: socket.socket) -> Dict[str, Any]:
+    (length,) = struct.unpack("=I", _read_exact(sock, 4))
+    if length > 65536:
+        raise ConnectionError(f"a frame of {length} bytes from the peer keeper")
+    return json.loads(_read_exact(sock, length))
+
+
+def _connect(endpoint: str, timeout: float) -> socket.socket:
+    host, _, port = endpoint.rpartition(":")
+    sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+class _Snapshots:
+    """The process's snapshots: its keeper, its peer, the copy thread."""
+
+    def __init__(self) -> None:
+        self.keeper: Optional[_Keeper] = None
+        self.tried = False
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.group_rank = int(os.environ.get("GROUP_RANK", "0"))
+        self.groups = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+        self.round = int(os.environ.get("FSDPRUN_ROUND", "0"))
+        self.run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+        self.limit = int(os.environ.get("FSDPRUN_SNAPSHOT_MEMORY_LIMIT", "0") or 0)
+        self.endpoint = os.environ.get("FSDPRUN_SNAPSHOT_PEER", "")
+        self.token = b""
+        self.peer: Optional[str] = None  # the next node's keeper, once known
+        self.endpoints: Dict[int, str] = {}
+        self.copies: "queue.Queue" = queue.Queue()
+        self.copy_thread: Optional[threading.Thread] = None
+        self.peer_failed = False
+        self.restored_from = ""
+
+    def active(self) -> bool:
+        if not self.tried:
+            self.tried = True
+            name = os.environ.get("FSDPRUN_SNAPSHOT_SOCKET")
+            if name:
+                try:
+                    self.keeper = _Keeper(name)
+                except OSError as e:
+                    _log.warning("fsdprun: rank %d: no in-memory snapshots: %s", self.rank, e)
+                token_file = os.environ.get("FSDPRUN_TOKEN_FILE")
+                if token_file:
+                    with open(token_file, "rb") as f:
+                        self.token = f.readline().strip()
+        return self.keeper is not None
+
+    def learn_endpoints(self) -> None:
+        """Every node's keeper endpoint (a collective: every rank's first snapshot or restore)."""
+        if self.endpoints:
+            return
+        dist = _dist()
+        gathered: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (self.group_rank, self.endpoint))
+        self.endpoints = {g: e for g, e in gathered}
+        if self.groups > 1:
+            self.peer = self.endpoints.get((self.group_rank + 1) % self.groups) or None
+
+    # -- the background copy to the next node ------------------------------------------------
+    def queue_copy(self, fd: int, step: int, size: int) -> None:
+        if self.peer is None or self.peer_failed:
+            os.close(fd)
+            return
+        if self.copy_thread is None:
+            self.copy_thread = threading.Thread(target=self._copy_loop, name="fsdprun-peer-copy", daemon=True)
+            self.copy_thread.start()
+        self.copies.put((fd, step, size))
+
+    def _copy_loop(self) -> None:
+        sock: Optional[socket.socket] = None
+        while True:
+            fd, step, size = self.copies.get()
+            try:
+                # Only the newest matters: an older one still queued is dropped.
+                while not self.copies.empty():
+                    os.close(fd)
+                    self.copies.task_done()
+                    fd, step, size = self.copies.get()
+                if self.peer_failed:
+                    continue
+                if sock is None:
+                    sock = _connect(self.peer, 60)
+                mac = hmac.new(self.token, f"fsdprun-snapshot|{self.run}|{self.rank}|{self.world}|{step}|{size}"
+                               .encode(), hashlib.sha256).hexdigest()
+                _frame(sock, json.dumps({"run": self.run, "rank": self.rank, "world": self.world, "step": step,
+                                         "bytes": size, "mac": mac}))
+                sent = 0
+                while sent < size:
+                    sent += os.sendfile(sock.fileno(), fd, sent, size - sent)
+                reply = _read_frame(sock)
+                if not reply.get("ok"):
+                    raise RuntimeError(reply.get("error", "refused"))
+            except (OSError, RuntimeError, ValueError) as e:
+                self.peer_failed = True
+                _log.warning("fsdprun: rank %d: no peer copies of snapshots from now on (%s): a lost node "
+                             "resumes from an older step", self.rank, e)
+                if sock is not None:
+                    sock.close()
+                    sock = None
+            finally:
+                os.close(fd)
+                self.copies.task_done()
+
+
+_snaps = _Snapshots()
+
+
+def _write_piece(step: int, tree: Any, tensors: List[Any]) -> Tuple[int, int]:
+    """A sealed memfd holding the piece; returns (fd, bytes)."""
+    import torch
+    blocks = []
+    cursor = 0
+    cpu = []
+    for t in tensors:
+        c = t.detach()
+        if c.device.type != "cpu":
+            c = c.cpu()
+        c = c.contiguous()
+        nbytes = c.numel() * c.element_size()
+        blocks.append({"offset": cursor, "bytes": nbytes, "dtype": str(c.dtype).replace("torch.", ""),
+                       "shape": list(c.shape)})
+        cpu.append(c)
+        cursor = _align(cursor + nbytes, 64)
+    header = json.dumps({"rank": _snaps.rank, "world": _snaps.world, "step": step, "round": _snaps.round,
+                         "meta": {"format": "fsdprun-python", "version": 1, "tree": tree},
+                         "blocks": blocks}).encode()
+    data_offset = _align(PREFIX_BYTES + len(header), ALIGN)
+    total = data_offset + max(cursor, 1)
+    if _snaps.limit and total > _snaps.limit:
+        raise RuntimeError(f"fsdprun.snapshot: the state of step {step} takes {total} bytes, more than the "
+                           f"agent's snapshot memory ({_snaps.limit} bytes, --snapshot_memory_limit): raise "
+                           f"--snapshot_memory_limit, or snapshot less; the snapshots taken before are kept")
+    fd = os.memfd_create("fsdprun-snapshot", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, total)
+        with mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as m:
+            m[0:PREFIX_BYTES] = MAGIC + struct.pack("<QQ", data_offset, len(header))
+            m[PREFIX_BYTES:PREFIX_BYTES + len(header)] = header
+            for block, c in zip(blocks, cpu):
+                if block["bytes"] == 0:
+                    continue
+                dst = torch.frombuffer(m, dtype=torch.uint8, count=block["bytes"],
+                                       offset=data_offset + block["offset"])
+                dst.copy_(c.reshape(-1).view(torch.uint8))
+                del dst  # no view of the mapping may outlive it
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
+        return fd, total
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def snapshot(step: int, state: Any) -> None:
+    """Hands ``state`` (after ``step``) to this node's agent, which holds it across this process's
+    death; a background thread copies it to the next node's agent. Every rank calls it at the
+    same steps (its first call is collective: the ranks learn where the next node's agent
+    listens). Active under fsdprun with ``--max_restarts`` > 0; elsewhere it does nothing.
+
+    Raises TypeError for a value a snapshot cannot hold (naming where it is in ``state``),
+    RuntimeError before ``init_process_group`` and for a state larger than the agent's snapshot
+    memory; the snapshots taken before are left as they were."""
+    if not _snaps.active():
+        return
+    tensors: List[Any] = []
+    tree = _encode(state, tensors, "")
+    _snaps.learn_endpoints()
+    fd, size = _write_piece(int(step), tree, tensors)
+    try:
+        answer, _ = _snaps.keeper.ask({"op": "put", "rank": _snaps.rank, "world": _snaps.world, "step": int(step),
+                                       "round": _snaps.round}, fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not answer.get("ok"):
+        os.close(fd)
+        raise RuntimeError(f"fsdprun.snapshot: the agent refused the snapshot of step {step}: "
+                           f"{answer.get('error', 'no reason given')} (raise --snapshot_memory_limit)")
+    _snaps.queue_copy(fd, int(step), size)
+
+
+def wait() -> None:
+    """Waits until the copies to the next node's agent queued so far are sent (or failed)."""
+    if _snaps.copy_thread is not None:
+        _snaps.copies.join()
+
+
+def _read_piece(fd: int) -> Tuple[int, Any]:
+    import torch
+    size = os.fstat(fd).st_size
+    with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ) as m:
+        if m[0:8] != MAGIC:
+            raise ValueError("not a snapshot piece")
+        data_offset, header_bytes = struct.unpack_from("<QQ", m, 8)
+        header = json.loads(m[PREFIX_BYTES:PREFIX_BYTES + header_bytes])
+        meta = header.get("meta", {})
+        if meta.get("format") != "fsdprun-python":
+            raise ValueError("a snapshot of a libfsdp program, not of a Python script")
+        tensors = []
+        for b in header["blocks"]:
+            dtype = getattr(torch, b["dtype"])
+            raw = bytearray(m[data_offset + b["offset"]:data_offset + b["offset"] + b["bytes"]])
+            t = torch.frombuffer(raw, dtype=torch.uint8) if b["bytes"] else torch.empty(0, dtype=torch.uint8)
+            tensors.append(t.view(dtype).reshape(b["shape"]).clone())
+        return int(header["step"]), _decode(meta["tree"], tensors)
+
+
+def _fetch_remote(endpoint: str, step: int) -> int:
+    """Our piece from another node's agent, into a memfd."""
+    mac = hmac.new(_snaps.token, f"fsdprun-snapshot-get|{_snaps.run}|{_snaps.rank}|{_snaps.world}|{step}".encode(),
+                   hashlib.sha256).hexdigest()
+    with _connect(endpoint, 60) as sock:
+        _frame(sock, json.dumps({"op": "get", "run": _snaps.run, "rank": _snaps.rank, "world": _snaps.world,
+                                 "step": step, "mac": mac}))
+        reply = _read_frame(sock)
+        if not reply.get("ok"):
+            raise RuntimeError(reply.get("error", "refused"))
+        data = _read_exact(sock, int(reply["bytes"]))
+    fd = os.memfd_create("fsdprun-fetched", os.MFD_CLOEXEC)
+    os.write(fd, data)
+    return fd
+
+
+def restored_from() -> str:
+    """After a ``restore()`` that returned a state: "memory" (every rank's own piece from its own
+    node's agent) or "peer copy" (some piece came from another node); "" before."""
+    return _snaps.restored_from
+
+
+def restore() -> Optional[Tuple[int, Any]]:
+    """``(step, state)`` of the newest step of which every rank's snapshot is held by some node's
+    agent (this node's memory, else the peer copy a lost node left on the next node), or None: a
+    first start, snapshots of another world size (one log line says so), or none that every rank
+    could read (then none restores). Collective: every rank calls it. Outside fsdprun: None."""
+    if not _snaps.active():
+        return None
+    dist = _dist()
+    start = time.monotonic()
+    listed, _ = _snaps.keeper.ask({"op": "list"})
+    pieces = [p for p in listed.get("pieces", [])]
+    _snaps.learn_endpoints()
+    gathered: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (_snaps.group_rank, pieces))
+    holders: Dict[Tuple[int, int, int], List[int]] = {}
+    worlds = set()
+    for group_rank, held in gathered:
+        for p in held:
+            worlds.add(p["world"])
+            holders.setdefault((p["rank"], p["world"], p["step"]), [])
+            if group_rank not in holders[(p["rank"], p["world"], p["step"])]:
+                holders[(p["rank"], p["world"], p["step"])].append(group_rank)
+    steps = sorted({s for (_, w, s) in holders if w == _snaps.world}, reverse=True)
+    chosen = next((s for s in steps if all((r, _snaps.world, s) in holders for r in range(_snaps.world))), None)
+    if chosen is None:
+        if _snaps.rank == 0 and worlds and _snaps.world not in worlds:
+            _log.warning("fsdprun: the in-memory snapshots are of world size %s, this job has %d ranks: none "
+                         "restored (a Python script's snapshots restore at the same world size only)",
+                         sorted(worlds), _snaps.world)
+        elif _snaps.rank == 0 and holders:
+            _log.warning("fsdprun: no step is held for every rank of world %d (a node and its peer-copy holder "
+                         "lost together?): none restored", _snaps.world)
+        return None
+    mine = holders[(_snaps.rank, _snaps.world, chosen)]
+    result: Optional[Tuple[int, Any]] = None
+    error = ""
+    source = "memory"
+    try:
+        if _snaps.group_rank in mine:
+            answer, fd = _snaps.keeper.ask({"op": "get", "rank": _snaps.rank, "world": _snaps.world, "step": chosen})
+            if not answer.get("ok") or fd is None:
+                raise RuntimeError(answer.get("error", "this node's agent no longer holds it"))
+            source = "peer copy" if answer.get("peer") else "memory"
+        else:
+            fd = _fetch_remote(_snaps.endpoints[mine[0]], chosen)
+            source = "peer copy"
+        try:
+            result = _read_piece(fd)
+        finally:
+            os.close(fd)
+    except (OSError, RuntimeError, ValueError, KeyError) as e:
+        error = f"rank {_snaps.rank}: {e}"
+    outcomes: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, (error, source))
+    errors = [e for e, _ in outcomes if e]
+    if errors:
+        if _snaps.rank == 0:
+            _log.warning("fsdprun: the in-memory snapshot of step %d was not restored: %s", chosen, "; ".join(errors))
+        return None
+    _snaps.restored_from = "peer copy" if any(s == "peer copy" for _, s in outcomes) else "memory"
+    if _snaps.rank == 0:
+        _log.warning("fsdprun: restored step %d from %s in %.0f ms", chosen, _snaps.restored_from,
+                     1000 * (time.monotonic() - start))
+    return result
