@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Tuple
 MAGIC = b"FSDPSNP1"
 PREFIX_BYTES = 24
 ALIGN = 4096
-MAX_MESSAGE = 1 << 20
+MAX_MESSAGE = 1 << 18
 
 _log = logging.getLogger("fsdprun")
 
@@ -141,8 +141,34 @@ def _connect(endpoint: str, timeout: float) -> socket.socket:
     return sock
 
 
+class _Buffer:
+    """A piece's memory, written again once the agent no longer holds the step it last held (no
+    fresh pages to fault in every step): a memfd sealed against growing and shrinking, mapped
+    once."""
+
+    def __init__(self, size: int):
+        import torch
+        self.size = size
+        self.step = -1        # the step it holds, -1: free
+        self.copying = False  # the copy to the next node reads it
+        self.fd = os.memfd_create("fsdprun-snapshot", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, size)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            self.map = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
+
+    def close(self) -> None:
+        del self.bytes  # no view of the mapping may outlive it
+        self.map.close()
+        os.close(self.fd)
+
+
 class _Snapshots:
-    """The process's snapshots: its keeper, its peer, the copy thread."""
+    """The process's snapshots: its keeper, its peer, the copy thread, the buffers."""
 
     def __init__(self) -> None:
         self.keeper: Optional[_Keeper] = None
@@ -162,6 +188,23 @@ class _Snapshots:
         self.copy_thread: Optional[threading.Thread] = None
         self.peer_failed = False
         self.restored_from = ""
+        self.buffers: List[_Buffer] = []
+        self.held: set = set()  # this rank's steps the agent said it still holds
+        self.lock = threading.Lock()  # the buffers' copying flags (the copy thread clears them)
+
+    def buffer_for(self, size: int) -> _Buffer:
+        """A buffer of `size` bytes the agent no longer holds and nothing reads."""
+        with self.lock:
+            for b in self.buffers:
+                if b.size == size and b.step not in self.held and not b.copying:
+                    return b
+            # Buffers of another size, free: a state that changed shape.
+            for b in [b for b in self.buffers if b.size != size and b.step not in self.held and not b.copying]:
+                self.buffers.remove(b)
+                b.close()
+        b = _Buffer(size)
+        self.buffers.append(b)
+        return b
 
     def active(self) -> bool:
         if not self.tried:
@@ -190,25 +233,32 @@ class _Snapshots:
             self.peer = self.endpoints.get((self.group_rank + 1) % self.groups) or None
 
     # -- the background copy to the next node ------------------------------------------------
-    def queue_copy(self, fd: int, step: int, size: int) -> None:
+    def queue_copy(self, buffer: _Buffer, step: int, size: int) -> None:
         if self.peer is None or self.peer_failed:
-            os.close(fd)
             return
         if self.copy_thread is None:
             self.copy_thread = threading.Thread(target=self._copy_loop, name="fsdprun-peer-copy", daemon=True)
             self.copy_thread.start()
-        self.copies.put((fd, step, size))
+        with self.lock:
+            buffer.copying = True
+        self.copies.put((buffer, step, size))
+
+    def _copied(self, buffer: _Buffer) -> None:
+        with self.lock:
+            buffer.copying = False
 
     def _copy_loop(self) -> None:
         sock: Optional[socket.socket] = None
         while True:
-            fd, step, size = self.copies.get()
+            buffer, step, size = self.copies.get()
+            fd = buffer.fd
             try:
                 # Only the newest matters: an older one still queued is dropped.
                 while not self.copies.empty():
-                    os.close(fd)
+                    self._copied(buffer)
                     self.copies.task_done()
-                    fd, step, size = self.copies.get()
+                    buffer, step, size = self.copies.get()
+                    fd = buffer.fd
                 if self.peer_failed:
                     continue
                 if sock is None:
@@ -231,15 +281,15 @@ class _Snapshots:
                     sock.close()
                     sock = None
             finally:
-                os.close(fd)
+                self._copied(buffer)
                 self.copies.task_done()
 
 
 _snaps = _Snapshots()
 
 
-def _write_piece(step: int, tree: Any, tensors: List[Any]) -> Tuple[int, int]:
-    """A sealed memfd holding the piece; returns (fd, bytes)."""
+def _write_piece(step: int, tree: Any, tensors: List[Any]) -> Tuple[_Buffer, int]:
+    """The piece in a buffer the agent no longer holds; returns (buffer, bytes)."""
     import torch
     blocks = []
     cursor = 0
@@ -257,30 +307,24 @@ def _write_piece(step: int, tree: Any, tensors: List[Any]) -> Tuple[int, int]:
     header = json.dumps({"rank": _snaps.rank, "world": _snaps.world, "step": step, "round": _snaps.round,
                          "meta": {"format": "fsdprun-python", "version": 1, "tree": tree},
                          "blocks": blocks}).encode()
-    data_offset = _align(PREFIX_BYTES + len(header), ALIGN)
-    total = data_offset + max(cursor, 1)
+    # Room for the header to grow a little (step numbers, a longer tree) without a new buffer.
+    data_offset = _align(PREFIX_BYTES + len(header) + 512, ALIGN)
+    total = data_offset + max(_align(cursor, ALIGN), ALIGN)
     if _snaps.limit and total > _snaps.limit:
         raise RuntimeError(f"fsdprun.snapshot: the state of step {step} takes {total} bytes, more than the "
                            f"agent's snapshot memory ({_snaps.limit} bytes, --snapshot_memory_limit): raise "
                            f"--snapshot_memory_limit, or snapshot less; the snapshots taken before are kept")
-    fd = os.memfd_create("fsdprun-snapshot", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        os.ftruncate(fd, total)
-        with mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as m:
-            m[0:PREFIX_BYTES] = MAGIC + struct.pack("<QQ", data_offset, len(header))
-            m[PREFIX_BYTES:PREFIX_BYTES + len(header)] = header
-            for block, c in zip(blocks, cpu):
-                if block["bytes"] == 0:
-                    continue
-                dst = torch.frombuffer(m, dtype=torch.uint8, count=block["bytes"],
-                                       offset=data_offset + block["offset"])
-                dst.copy_(c.reshape(-1).view(torch.uint8))
-                del dst  # no view of the mapping may outlive it
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
-        return fd, total
-    except BaseException:
-        os.close(fd)
-        raise
+    buffer = _snaps.buffer_for(total)
+    buffer.step = -1  # being written: holds nothing
+    m = buffer.map
+    m[0:PREFIX_BYTES] = MAGIC + struct.pack("<QQ", data_offset, len(header))
+    m[PREFIX_BYTES:PREFIX_BYTES + len(header)] = header
+    for block, c in zip(blocks, cpu):
+        if block["bytes"] == 0:
+            continue
+        start = data_offset + block["offset"]
+        buffer.bytes[start:start + block["bytes"]].copy_(c.reshape(-1).view(torch.uint8))
+    return buffer, total
 
 
 def snapshot(step: int, state: Any) -> None:
@@ -297,18 +341,17 @@ def snapshot(step: int, state: Any) -> None:
     tensors: List[Any] = []
     tree = _encode(state, tensors, "")
     _snaps.learn_endpoints()
-    fd, size = _write_piece(int(step), tree, tensors)
-    try:
-        answer, _ = _snaps.keeper.ask({"op": "put", "rank": _snaps.rank, "world": _snaps.world, "step": int(step),
-                                       "round": _snaps.round}, fd)
-    except BaseException:
-        os.close(fd)
-        raise
+    buffer, size = _write_piece(int(step), tree, tensors)
+    answer, _ = _snaps.keeper.ask({"op": "put", "rank": _snaps.rank, "world": _snaps.world, "step": int(step),
+                                   "round": _snaps.round}, buffer.fd)
     if not answer.get("ok"):
-        os.close(fd)
+        _snaps.held = set()
         raise RuntimeError(f"fsdprun.snapshot: the agent refused the snapshot of step {step}: "
                            f"{answer.get('error', 'no reason given')} (raise --snapshot_memory_limit)")
-    _snaps.queue_copy(fd, int(step), size)
+    buffer.step = int(step)
+    # What the agent no longer holds is this process's to write again.
+    _snaps.held = set(answer.get("held", [int(step)]))
+    _snaps.queue_copy(buffer, int(step), size)
 
 
 def wait() -> None:

@@ -9,7 +9,8 @@ Faults, on the first attempt only: --kill_rank R --kill_step S SIGKILLs rank R a
 block in stuck_in_a_read() just before step S's backward.
 --metrics_file F: rank 0 appends {"type": "train", "step", "unix_time"} per step and a "resume" line.
 Rank 0 prints one JSON line at the end: {"steps", "resumed_step", "resumed_from", "attempt",
-"params_sha256", "fsdprun": whether the module was active}.
+"params_sha256", "step_ms_median" (this attempt's steps, snapshot included), "fsdprun": whether the
+module was active}.
 """
 import argparse
 import hashlib
@@ -56,6 +57,7 @@ def main() -> int:
     parser.add_argument("--stall_kind", default="loop")
     parser.add_argument("--no_snapshot", action="store_true")
     parser.add_argument("--metrics_file", default="")
+    parser.add_argument("--step_sleep", type=float, default=0.0, help="seconds of sleep per step")
     args = parser.parse_args()
     standalone = "RANK" not in os.environ
     if standalone:  # python3 ddp_snapshot.py: one process, a world of one
@@ -82,11 +84,16 @@ def main() -> int:
         optimizer.load_state_dict(state["optimizer"])
         resumed_step, resumed_from = step, fsdprun.restored_from()
         metrics(args, rank, {"type": "resume", "step": step, "source": resumed_from})
+    step_ms = []
     while step < args.steps:
+        began = time.perf_counter()
         g = torch.Generator().manual_seed(1000 * step + rank)
         x = torch.randn(16, 20, generator=g)
         y = torch.randint(0, 4, (16,), generator=g)
         optimizer.zero_grad()
+        if args.step_sleep > 0:
+            with fsdprun.data_wait():  # as a slow data loader would
+                time.sleep(args.step_sleep)
         loss = nn.functional.cross_entropy(model(x), y)
         if attempt == 0 and rank == args.stall_rank and step + 1 == args.stall_step:
             stuck_in_a_loop() if args.stall_kind == "loop" else stuck_in_a_read()
@@ -98,6 +105,7 @@ def main() -> int:
         metrics(args, rank, {"type": "train", "step": step})
         if not args.no_snapshot:
             fsdprun.snapshot(step, {"model": model.module.state_dict(), "optimizer": optimizer.state_dict()})
+        step_ms.append(1000 * (time.perf_counter() - began))
         if attempt == 0 and rank == args.kill_rank and step == args.kill_step:
             fsdprun.wait()  # the peer copy of this step is out
             os.kill(os.getpid(), signal.SIGKILL)
@@ -107,6 +115,7 @@ def main() -> int:
     if rank == 0:
         print(json.dumps({"steps": step, "resumed_step": resumed_step, "resumed_from": resumed_from,
                           "attempt": attempt, "params_sha256": digest.hexdigest(),
+                          "step_ms_median": sorted(step_ms)[len(step_ms) // 2] if step_ms else None,
                           "fsdprun": fsdprun.enabled()}), flush=True)
     dist.destroy_process_group()
     return 0
