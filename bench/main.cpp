@@ -146,7 +146,8 @@ int main(int argc, char** argv) {
        "a worker (or a whole agent) SIGKILLed at a random step: steps redone, kill -> state restored "
        "and -> first new step; fsdprun's in-memory snapshots (1 agent x 2 workers, 2 agents x 1, agent "
        "kill in --nnodes 1:2: the peer copy) vs torchrun + DDP + torch.save every --checkpoint_every "
-       "(10,50) steps (DeepNet); and the snapshots' per-step cost, --snapshot_every 1 vs 0 (--models "
+       "(10,50) steps (DeepNet), and the same DDP script under fsdprun with import fsdprun (restore, "
+       "snapshot every step); and the snapshots' per-step cost (libfsdp's and the Python module's), --snapshot_every 1 vs 0 (--models "
        "deep,gpt --steps 24 --batch_size 32 --reps 1 --seed N --torchrun 0|1 --standby 1|0 (fsdprun "
        "--standby) --cases worker,agents_worker,agent,overhead)",
        {"models", "steps", "batch_size", "reps", "seed", "torchrun", "standby", "cases", "checkpoint_every"},

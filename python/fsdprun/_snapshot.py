@@ -307,8 +307,10 @@ def _write_piece(step: int, tree: Any, tensors: List[Any]) -> Tuple[_Buffer, int
     header = json.dumps({"rank": _snaps.rank, "world": _snaps.world, "step": step, "round": _snaps.round,
                          "meta": {"format": "fsdprun-python", "version": 1, "tree": tree},
                          "blocks": blocks}).encode()
-    # Room for the header to grow a little (step numbers, a longer tree) without a new buffer.
-    data_offset = _align(PREFIX_BYTES + len(header) + 512, ALIGN)
+    # Padded with spaces (JSON allows them) to a multiple of 2 KiB: a step number one digit longer
+    # does not move the data, so the same buffer serves again.
+    header += b" " * (_align(len(header), 2048) - len(header))
+    data_offset = _align(PREFIX_BYTES + len(header), ALIGN)
     total = data_offset + max(_align(cursor, ALIGN), ALIGN)
     if _snaps.limit and total > _snaps.limit:
         raise RuntimeError(f"fsdprun.snapshot: the state of step {step} takes {total} bytes, more than the "
@@ -380,12 +382,12 @@ def _read_piece(fd: int) -> Tuple[int, Any]:
         return int(header["step"]), _decode(meta["tree"], tensors)
 
 
-def _fetch_remote(endpoint: str, step: int) -> int:
-    """Our piece from another node's agent, into a memfd."""
-    mac = hmac.new(_snaps.token, f"fsdprun-snapshot-get|{_snaps.run}|{_snaps.rank}|{_snaps.world}|{step}".encode(),
+def _fetch_remote(endpoint: str, rank: int, world: int, step: int) -> int:
+    """Rank `rank`'s piece (of `world`, at `step`) from another node's agent, into a memfd."""
+    mac = hmac.new(_snaps.token, f"fsdprun-snapshot-get|{_snaps.run}|{rank}|{world}|{step}".encode(),
                    hashlib.sha256).hexdigest()
     with _connect(endpoint, 60) as sock:
-        _frame(sock, json.dumps({"op": "get", "run": _snaps.run, "rank": _snaps.rank, "world": _snaps.world,
+        _frame(sock, json.dumps({"op": "get", "run": _snaps.run, "rank": rank, "world": world,
                                  "step": step, "mac": mac}))
         reply = _read_frame(sock)
         if not reply.get("ok"):
@@ -402,11 +404,15 @@ def restored_from() -> str:
     return _snaps.restored_from
 
 
-def restore() -> Optional[Tuple[int, Any]]:
+def restore(replicated: bool = False) -> Optional[Tuple[int, Any]]:
     """``(step, state)`` of the newest step of which every rank's snapshot is held by some node's
     agent (this node's memory, else the peer copy a lost node left on the next node), or None: a
     first start, snapshots of another world size (one log line says so), or none that every rank
-    could read (then none restores). Collective: every rank calls it. Outside fsdprun: None."""
+    could read (then none restores). Collective: every rank calls it. Outside fsdprun: None.
+
+    ``replicated=True``: every rank's state is the same (DDP: the model and the optimizer are
+    replicas), so after the world changed (a node lost, ``--nnodes MIN:MAX``) rank r takes the
+    newest step's piece of old rank r (rank 0's where the old world had no rank r)."""
     if not _snaps.active():
         return None
     dist = _dist()
@@ -424,29 +430,38 @@ def restore() -> Optional[Tuple[int, Any]]:
             holders.setdefault((p["rank"], p["world"], p["step"]), [])
             if group_rank not in holders[(p["rank"], p["world"], p["step"])]:
                 holders[(p["rank"], p["world"], p["step"])].append(group_rank)
-    steps = sorted({s for (_, w, s) in holders if w == _snaps.world}, reverse=True)
-    chosen = next((s for s in steps if all((r, _snaps.world, s) in holders for r in range(_snaps.world))), None)
-    if chosen is None:
+
+    def source(rank: int, world: int) -> int:
+        return rank if rank < world else 0
+
+    # Newest step first; at one step, the current world before another.
+    candidates = sorted({(s, w) for (_, w, s) in holders if w == _snaps.world or replicated},
+                        key=lambda sw: (sw[0], sw[1] == _snaps.world), reverse=True)
+    found = next(((s, w) for s, w in candidates
+                  if all((source(r, w), w, s) in holders for r in range(_snaps.world))), None)
+    if found is None:
         if _snaps.rank == 0 and worlds and _snaps.world not in worlds:
             _log.warning("fsdprun: the in-memory snapshots are of world size %s, this job has %d ranks: none "
-                         "restored (a Python script's snapshots restore at the same world size only)",
-                         sorted(worlds), _snaps.world)
+                         "restored (restore(replicated=True) takes a replicated state, DDP's, across world "
+                         "sizes)", sorted(worlds), _snaps.world)
         elif _snaps.rank == 0 and holders:
             _log.warning("fsdprun: no step is held for every rank of world %d (a node and its peer-copy holder "
                          "lost together?): none restored", _snaps.world)
         return None
-    mine = holders[(_snaps.rank, _snaps.world, chosen)]
+    chosen, old_world = found
+    src = source(_snaps.rank, old_world)
+    mine = holders[(src, old_world, chosen)]
     result: Optional[Tuple[int, Any]] = None
     error = ""
     source = "memory"
     try:
         if _snaps.group_rank in mine:
-            answer, fd = _snaps.keeper.ask({"op": "get", "rank": _snaps.rank, "world": _snaps.world, "step": chosen})
+            answer, fd = _snaps.keeper.ask({"op": "get", "rank": src, "world": old_world, "step": chosen})
             if not answer.get("ok") or fd is None:
                 raise RuntimeError(answer.get("error", "this node's agent no longer holds it"))
             source = "peer copy" if answer.get("peer") else "memory"
         else:
-            fd = _fetch_remote(_snaps.endpoints[mine[0]], chosen)
+            fd = _fetch_remote(_snaps.endpoints[mine[0]], src, old_world, chosen)
             source = "peer copy"
         try:
             result = _read_piece(fd)
@@ -463,6 +478,8 @@ def restore() -> Optional[Tuple[int, Any]]:
         return None
     _snaps.restored_from = "peer copy" if any(s == "peer copy" for _, s in outcomes) else "memory"
     if _snaps.rank == 0:
-        _log.warning("fsdprun: restored step %d from %s in %.0f ms", chosen, _snaps.restored_from,
+        across = "" if old_world == _snaps.world else f" (a replicated state of world {old_world} into world " \
+                                                      f"{_snaps.world})"
+        _log.warning("fsdprun: restored step %d from %s%s in %.0f ms", chosen, _snaps.restored_from, across,
                      1000 * (time.monotonic() - start))
     return result

@@ -58,6 +58,7 @@ def main() -> int:
     parser.add_argument("--no_snapshot", action="store_true")
     parser.add_argument("--metrics_file", default="")
     parser.add_argument("--step_sleep", type=float, default=0.0, help="seconds of sleep per step")
+    parser.add_argument("--replicated", action="store_true", help="restore(replicated=True)")
     args = parser.parse_args()
     standalone = "RANK" not in os.environ
     if standalone:  # python3 ddp_snapshot.py: one process, a world of one
@@ -77,7 +78,7 @@ def main() -> int:
     optimizer.zero_grad()
 
     step, resumed_from, resumed_step = 0, None, None
-    restored = fsdprun.restore()
+    restored = fsdprun.restore(replicated=args.replicated)
     if restored is not None:
         step, state = restored
         model.module.load_state_dict(state["model"])

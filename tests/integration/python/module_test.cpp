@@ -255,4 +255,32 @@ TEST_F(PythonJobs, ASpareAgentRestoresALostNodesRankFromThePeerCopy) {
   EXPECT_EQ(job.leftovers(), std::vector<std::string>{});
 }
 
+// Must-show 1 of issue 42, with 2 agents: --nnodes 1:2, the agent of rank 0 SIGKILLed. The
+// survivor (rank 0 of a world of 1 now) restores the replicated DDP state of the lost rank 0
+// from the peer copy its own agent holds (restore(replicated=True)), and finishes.
+TEST_F(PythonJobs, TwoAgentsLoseOneAndTheSurvivorResumesFromThePeerCopy) {
+  fsdp::testing::nodes::NodeJob job(
+      "python-two", {.agents = 2,
+                     .nnodes = "1:2",
+                     .job = {kScript, "--steps", "40", "--replicated", "--metrics_file", "{metrics}"},
+                     .env = kPythonEnv});
+  ASSERT_TRUE(job.waitForWorkers(2, 240s)) << job.allErr();
+  ASSERT_TRUE(job.waitForStep(12, 240s)) << job.allErr();
+  const int victim = job.agentOfRank(0);
+  ASSERT_GE(victim, 0) << job.allErr();
+  const double killedAt = fsdp::testing::nodes::unixNow();
+  ASSERT_TRUE(job.kill(victim));
+  const int survivor = 1 - victim;
+  const auto rc = job.wait(survivor, 300s);
+  ASSERT_TRUE(rc.has_value()) << job.allErr();
+  EXPECT_EQ(*rc, 0) << job.allErr();
+  const auto summary = summaryOf(job.out(survivor));
+  EXPECT_EQ(summary.value("resumed_from", json()), json("peer copy")) << job.allErr();
+  EXPECT_EQ(summary.value("steps", 0), 40) << job.allErr();
+  const auto around = fsdp::testing::nodes::aroundKill(job.metricsPath(), killedAt);
+  EXPECT_GE(summary.value("resumed_step", -1), around.doneBefore - 1) << "more than one step redone\n" << job.allErr();
+  EXPECT_NE(job.err(survivor).find("a replicated state of world 2 into world 1"), std::string::npos) << job.allErr();
+  EXPECT_EQ(job.leftovers(), std::vector<std::string>{});
+}
+
 }  // namespace
