@@ -365,7 +365,9 @@ def wait() -> None:
 def _read_piece(fd: int) -> Tuple[int, Any]:
     import torch
     size = os.fstat(fd).st_size
-    with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ) as m:
+    # A private mapping: writable for torch.frombuffer, and nothing written reaches the piece
+    # (a peer copy is sealed against writes; our own is the agent's to keep as it is).
+    with mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE) as m:
         if m[0:8] != MAGIC:
             raise ValueError("not a snapshot piece")
         data_offset, header_bytes = struct.unpack_from("<QQ", m, 8)
@@ -373,12 +375,14 @@ def _read_piece(fd: int) -> Tuple[int, Any]:
         meta = header.get("meta", {})
         if meta.get("format") != "fsdprun-python":
             raise ValueError("a snapshot of a libfsdp program, not of a Python script")
+        whole = torch.frombuffer(m, dtype=torch.uint8)
         tensors = []
         for b in header["blocks"]:
             dtype = getattr(torch, b["dtype"])
-            raw = bytearray(m[data_offset + b["offset"]:data_offset + b["offset"] + b["bytes"]])
-            t = torch.frombuffer(raw, dtype=torch.uint8) if b["bytes"] else torch.empty(0, dtype=torch.uint8)
-            tensors.append(t.view(dtype).reshape(b["shape"]).clone())
+            start = data_offset + b["offset"]
+            # One copy, out of the mapping (which goes when this returns).
+            tensors.append(whole[start:start + b["bytes"]].view(dtype).reshape(b["shape"]).clone())
+        del whole
         return int(header["step"]), _decode(meta["tree"], tensors)
 
 
