@@ -21,9 +21,16 @@ TEST(Install, TheQuickstartBuildsAgainstTheInstalledPackageAndTrains) {
   const auto install = runCommand({"cmake", "--install", FSDP_BUILD_DIR, "--prefix", prefix}, 300s);
   ASSERT_EQ(install.exitCode, 0) << install.out << install.err;
   for (const char* file : {"/lib/cmake/fsdp/fsdpConfig.cmake", "/include/fsdp/worker/trainer.hpp", "/bin/fsdprun",
-                           "/bin/fsdp-ckpt", "/bin/fsdp-plot"}) {
+                           "/bin/fsdp-ckpt", "/bin/fsdp-plot", "/lib/fsdprun/python/fsdprun/__init__.py"}) {
     EXPECT_TRUE(std::filesystem::exists(prefix + file)) << file;
   }
+  // The installed fsdprun hands its workers the installed Python module.
+  const auto imported = runCommand({prefix + "/bin/fsdprun", "--nproc_per_node", "1", "--no_python",
+                                    "/usr/bin/python3", "-c", "import fsdprun; print(fsdprun.__file__)"},
+                                   120s);
+  EXPECT_EQ(imported.exitCode, 0) << imported.err;
+  EXPECT_NE(imported.out.find(prefix + "/lib/fsdprun/python/fsdprun/__init__.py"), std::string::npos)
+      << imported.out << imported.err;
   const std::string build = dir.path() + "/build";
   // The installed package first, then wherever this build found its own dependencies.
   std::string prefixPath = prefix;

@@ -65,6 +65,7 @@ std::vector<std::string> workerEnvironment(const LaunchOptions& options, const W
   std::vector<std::string> env;
   bool haveOmp = false;
   bool haveTunables = false;
+  bool haveNcclErrors = false;
   // fsdprun's Python module (`import fsdprun`), after the user's own entries.
   const std::string python = pythonModuleDir();
   bool havePythonPath = false;
@@ -72,6 +73,7 @@ std::vector<std::string> workerEnvironment(const LaunchOptions& options, const W
     const std::string key = entry.substr(0, entry.find('='));
     if (key == "OMP_NUM_THREADS") haveOmp = true;
     if (key == "GLIBC_TUNABLES") haveTunables = true;
+    if (key == "TORCH_NCCL_ASYNC_ERROR_HANDLING") haveNcclErrors = true;
     if (key == "PYTHONPATH" && !python.empty()) {
       havePythonPath = true;
       const std::string value = entry.substr(entry.find('=') + 1);
@@ -87,6 +89,9 @@ std::vector<std::string> workerEnvironment(const LaunchOptions& options, const W
   // time instead of 4 KB: fewer faults every step, a faster restart (a worker's start-up and a
   // snapshot's restore touch gigabytes) and a faster exit. A GLIBC_TUNABLES of the user's wins.
   if (!haveTunables) env.push_back("GLIBC_TUNABLES=glibc.malloc.hugetlb=1");
+  // As torchrun: a NCCL collective that fails or times out aborts the communicator and raises in
+  // the worker (which the agent then restarts), rather than hanging. A user's setting wins.
+  if (!haveNcclErrors) env.push_back("TORCH_NCCL_ASYNC_ERROR_HANDLING=1");
   if (!havePythonPath && !python.empty()) env.push_back("PYTHONPATH=" + python);
   for (const auto& [key, value] : set) env.push_back(key + "=" + value);
   return env;

@@ -130,7 +130,8 @@ TEST(WorkerEnvironment, SetsTheTorchrunVariablesAndKeepsAUserOmpSetting) {
                         "MASTER_PORT=5678", "TORCHELASTIC_RESTART_COUNT=2",
                         "TORCHELASTIC_MAX_RESTARTS=3", "OMP_NUM_THREADS=1", "FSDPRUN_STORE_PORT=1234",
                         "TORCHELASTIC_USE_AGENT_STORE=False", "TORCHELASTIC_ERROR_FILE=/x/error.json",
-                        "GLIBC_TUNABLES=glibc.malloc.hugetlb=1", "PATH=/bin"}) {
+                        "GLIBC_TUNABLES=glibc.malloc.hugetlb=1", "TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
+                        "PATH=/bin"}) {
     EXPECT_TRUE(has(e)) << e;
   }
   EXPECT_FALSE(has("RANK=9"));
@@ -138,6 +139,11 @@ TEST(WorkerEnvironment, SetsTheTorchrunVariablesAndKeepsAUserOmpSetting) {
   const auto userOmp = workerEnvironment(o, id, contact, {"OMP_NUM_THREADS=4"});
   EXPECT_NE(std::find(userOmp.begin(), userOmp.end(), "OMP_NUM_THREADS=4"), userOmp.end());
   EXPECT_EQ(std::find(userOmp.begin(), userOmp.end(), "OMP_NUM_THREADS=1"), userOmp.end());
+  const auto userNccl = workerEnvironment(o, id, contact, {"TORCH_NCCL_ASYNC_ERROR_HANDLING=0"});
+  EXPECT_EQ(std::count_if(userNccl.begin(), userNccl.end(),
+                          [](const std::string& e) { return e.starts_with("TORCH_NCCL_ASYNC_ERROR_HANDLING="); }),
+            1);
+  EXPECT_NE(std::find(userNccl.begin(), userNccl.end(), "TORCH_NCCL_ASYNC_ERROR_HANDLING=0"), userNccl.end());
   const auto userTunables = workerEnvironment(o, id, contact, {"GLIBC_TUNABLES=glibc.malloc.arena_max=2"});
   EXPECT_EQ(std::count_if(userTunables.begin(), userTunables.end(),
                           [](const std::string& e) { return e.starts_with("GLIBC_TUNABLES="); }),
