@@ -37,6 +37,33 @@ TEST(Launcher, FourWorkersSeeTheTorchrunEnvironmentAndCorrectCollectives) {
   }
 }
 
+// torchrun's recipe for several single-node jobs on one machine (issue 43, item 3): each takes a
+// free port of its own; for several nodes the port 0 is refused, naming the flag.
+TEST(Launcher, SingleNodeJobsWithEndpointPortZeroRunSideBySide) {
+  const std::vector<std::string> job = {kBin + "/fsdprun", "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0",
+                                        "--nproc_per_node", "2", "/bin/sh", "-c",
+                                        "echo port=$MASTER_PORT; sleep 1"};
+  fsdp::testing::RunResult results[2];
+  std::thread other([&] { results[1] = runCommand(job, 60s); });
+  results[0] = runCommand(job, 60s);
+  other.join();
+  std::string ports[2];
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_EQ(results[i].exitCode, 0) << results[i].err;
+    const auto at = results[i].out.find("port=");
+    ASSERT_NE(at, std::string::npos) << results[i].out;
+    ports[i] = results[i].out.substr(at, results[i].out.find('\n', at) - at);
+  }
+  EXPECT_NE(ports[0], ports[1]);
+  const auto refused = runCommand({kBin + "/fsdprun", "--nnodes", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint",
+                                   "localhost:0", "/bin/true"},
+                                  30s);
+  EXPECT_EQ(refused.exitCode, 2);
+  EXPECT_NE(refused.err.find("--rdzv_endpoint 'localhost:0': port 0 (a free port) works for one node only"),
+            std::string::npos)
+      << refused.err;
+}
+
 TEST(Launcher, WorldSizesOneToThreeAlsoPass) {
   for (const int n : {1, 2, 3}) {
     const auto r = runCommand({kFsdprun, "--standalone", "--nproc-per-node", std::to_string(n),

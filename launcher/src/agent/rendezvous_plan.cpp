@@ -22,7 +22,14 @@ RendezvousPlan planRendezvous(const LaunchOptions& o) {
   const bool singleNode = o.maxNodes == 1 && o.rdzvEndpoint.empty() &&
                           (!staticBackend || o.sources.count("master_addr") == 0 ||
                            o.sources.at("master_addr") == "default");
-  if (o.standalone || singleNode) {
+  // torchrun's recipe for several single-node jobs on one machine: port 0, a free one.
+  const bool freePort = o.rdzvEndpoint.ends_with(":0");
+  if (freePort && o.maxNodes > 1) {
+    throw ConfigError("--rdzv_endpoint '" + o.rdzvEndpoint + "': port 0 (a free port) works for one node only (--nnodes " +
+                      std::to_string(o.minNodes) + (o.minNodes == o.maxNodes ? "" : ":" + std::to_string(o.maxNodes)) +
+                      " asks for several): the nodes need a port they all know");
+  }
+  if (o.standalone || singleNode || freePort) {
     plan.embedded = true;
     return plan;
   }

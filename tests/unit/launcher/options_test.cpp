@@ -291,6 +291,17 @@ TEST(PlanRendezvous, SingleNodeIsEmbeddedAndMultiNodeNeedsAnEndpoint) {
   EXPECT_FALSE(remote.mayHost);
   EXPECT_THROW(planRendezvous(*parse({"--nnodes", "2", "--rdzv_backend", "c10d", "p"}).options),
                ConfigError);
+  // torchrun's several single-node jobs on one machine: --rdzv_endpoint localhost:0, a free port.
+  EXPECT_TRUE(planRendezvous(*parse({"--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", "p"}).options)
+                  .embedded);
+  try {
+    planRendezvous(*parse({"--nnodes", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", "p"}).options);
+    ADD_FAILURE() << "port 0 for two nodes was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("--rdzv_endpoint 'localhost:0': port 0 (a free port) works for one node only"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(FailureReport, RoundTripsThroughJsonAndQuotesTheWorker) {
