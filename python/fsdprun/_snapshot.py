@@ -422,7 +422,7 @@ def restore(replicated: bool = False) -> Optional[Tuple[int, Any]]:
     dist = _dist()
     start = time.monotonic()
     listed, _ = _snaps.keeper.ask({"op": "list"})
-    pieces = [p for p in listed.get("pieces", [])]
+    pieces = listed.get("pieces", [])
     _snaps.learn_endpoints()
     gathered: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (_snaps.group_rank, pieces))

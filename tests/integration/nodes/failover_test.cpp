@@ -28,6 +28,7 @@ using fsdp::testing::nodes::kBin;
 using fsdp::testing::metricsLines;
 using fsdp::testing::nodes::mnist;
 using fsdp::testing::nodes::NodeJob;
+using fsdp::testing::nodes::spareOf;
 using fsdp::testing::nodes::survivorsSucceed;
 using fsdp::testing::nodes::unixNow;
 using nlohmann::json;
@@ -44,15 +45,6 @@ class Failover : public ::testing::Test {
     if (!fsdp::testing::nodes::haveData()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
   }
 };
-
-// The agent that says it waits as a spare; -1 (with a test failure) when none does.
-int spareOf(NodeJob& job) {
-  for (int i = 0; i < job.agents(); ++i) {
-    if (job.err(i).find("waits as a spare") != std::string::npos) return i;
-  }
-  ADD_FAILURE() << "no agent says it waits as a spare\n" << job.allErr();
-  return -1;
-}
 
 // SIGKILLs member `victim`: the spare takes its place, its ranks from the peer copy (at most one
 // step redone), and the run of `ranks` ranks ends bit-identical to one that lost nothing.

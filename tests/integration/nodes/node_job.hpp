@@ -268,6 +268,15 @@ inline double unixNow() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
+// The agent that says it waits as a spare; -1 (with a test failure) when none does.
+inline int spareOf(NodeJob& job) {
+  for (int i = 0; i < job.agents(); ++i) {
+    if (job.err(i).find("waits as a spare") != std::string::npos) return i;
+  }
+  ADD_FAILURE() << "no agent says it waits as a spare\n" << job.allErr();
+  return -1;
+}
+
 // Waits for every agent but `victim` to exit 0 (gtest failures otherwise); the summary line of
 // the one that printed it (rank 0 of the last world, whichever agent that is), null if none.
 inline nlohmann::json survivorsSucceed(NodeJob& job, int victim, std::chrono::milliseconds within) {

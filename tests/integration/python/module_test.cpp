@@ -229,11 +229,7 @@ TEST_F(PythonJobs, ASpareAgentRestoresALostNodesRankFromThePeerCopy) {
                        .job = {kScript, "--steps", std::to_string(kLongSteps), "--metrics_file", "{metrics}"},
                        .env = kPythonEnv});
   ASSERT_TRUE(job.waitForStep(12, 240s)) << job.allErr();
-  int spare = -1;
-  for (int i = 0; i < job.agents(); ++i) {
-    if (job.err(i).find("waits as a spare") != std::string::npos) spare = i;
-  }
-  ASSERT_GE(spare, 0) << job.allErr();
+  ASSERT_GE(fsdp::testing::nodes::spareOf(job), 0);
   const int victim = job.agentOfRank(1);
   ASSERT_GE(victim, 0) << job.allErr();
   ASSERT_TRUE(job.kill(victim));
