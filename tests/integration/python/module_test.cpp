@@ -181,16 +181,9 @@ TEST_F(PythonJobs, MetricsShowTheScriptsStepsSamplesLossAndDataWait) {
   spawn.stdoutPath = dir.path() + "/out";
   spawn.stderrPath = dir.path() + "/err";
   auto job = fsdp::ChildProcess::spawn(spawn);
-  std::string page;
-  const auto until = std::chrono::steady_clock::now() + 120s;
-  while (std::chrono::steady_clock::now() < until) {
-    const auto reply = fsdp::testing::httpGet("127.0.0.1", port, "/metrics");
-    if (reply.status == 200) {
-      page = reply.body;
-      if (fsdp::testing::metricValue(page, "fsdprun_worker_steps_total", {"rank=\"1\""}) >= 10) break;
-    }
-    if (job.waitFor(100ms)) break;
-  }
+  const auto page = fsdp::testing::scrapeUntil(port, job, 120s, [](const std::string& p) {
+    return fsdp::testing::metricValue(p, "fsdprun_worker_steps_total", {"rank=\"1\""}) >= 10;
+  });
   using fsdp::testing::metricValue;
   EXPECT_GE(metricValue(page, "fsdprun_worker_step", {"rank=\"0\""}), 10) << page;
   EXPECT_GE(metricValue(page, "fsdprun_worker_steps_total", {"rank=\"1\""}), 10) << page;

@@ -26,28 +26,12 @@ using fsdp::testing::httpRequest;
 using fsdp::testing::metricValue;
 using fsdp::testing::readFile;
 using fsdp::testing::runCommand;
+using fsdp::testing::scrapeUntil;
 using fsdp::testing::TempDir;
 using namespace std::chrono_literals;
 
 const std::string kBin = FSDP_BIN_DIR;
 const std::string kData = "/usr/share/datasets/fashion-mnist";
-
-// Scrapes until `ready` holds on the page (the job's own progress; 100 ms between scrapes),
-// the job exits, or `limit` passes. Returns the last page.
-template <typename Ready>
-std::string scrapeUntil(int port, fsdp::ChildProcess& job, std::chrono::seconds limit, Ready ready) {
-  const auto until = std::chrono::steady_clock::now() + limit;
-  std::string page;
-  while (std::chrono::steady_clock::now() < until) {
-    const auto reply = httpGet("127.0.0.1", port, "/metrics");
-    if (reply.status == 200) {
-      page = reply.body;
-      if (ready(page)) return page;
-    }
-    if (job.waitFor(100ms)) break;
-  }
-  return page;
-}
 
 TEST(MetricsEndpoint, ServesEveryWorkersFiguresTheNodesAndTheRendezvousAndOnlyThat) {
   if (!fs::exists(kData)) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
