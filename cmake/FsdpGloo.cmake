@@ -42,7 +42,7 @@ set(FSDP_GLOO_REASON "")
 if(_fsdp_gloo STREQUAL "OFF")
   set(FSDP_GLOO_REASON "configured with FSDP_GLOO=OFF")
 elseif(FSDP_TORCH_GLOO_SYMBOLS GREATER 0)
-  set(FSDP_GLOO_REASON "LibTorch (${FSDP_TORCH_CPU_LIBRARY}) has its own Gloo (${FSDP_TORCH_GLOO_SYMBOLS} gloo:: symbols); a second copy would mix with it")
+  set(FSDP_GLOO_REASON "LibTorch (${FSDP_TORCH_CPU_LIBRARY}) has its own Gloo (${FSDP_TORCH_GLOO_SYMBOLS} gloo:: symbols): a second copy would mix with it")
   if(_fsdp_gloo STREQUAL "ON")
     message(FATAL_ERROR "fsdp: FSDP_GLOO=ON but ${FSDP_GLOO_REASON}. Configure with FSDP_GLOO=AUTO "
                         "(shared memory for CPU collectives inside a node).")

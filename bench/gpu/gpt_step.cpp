@@ -81,6 +81,9 @@ double peakFor(const std::string& name) {
 void resetPeak() {
 #if FSDP_BENCH_TORCH_CUDA
   if (onCuda()) {
+    // LibTorch 2.x sets its caching allocator up at the first CUDA allocation; its statistics
+    // calls before that throw "Invalid device argument" (seen on an H200 with 2.11).
+    (void)at::empty({1}, at::TensorOptions().device(at::kCUDA, 0));
     c10::cuda::CUDACachingAllocator::emptyCache();
     c10::cuda::CUDACachingAllocator::resetPeakStats(0);
   }

@@ -14,6 +14,7 @@
 #include <torch/optim.h>
 
 #include <future>
+#include <sstream>
 
 #include "fsdp/common/error.hpp"
 #include "fsdp/rendezvous/store_server.hpp"
@@ -79,6 +80,23 @@ void runGpuRanks(const std::function<void(GpuRank&)>& body) {
   for (auto& f : ranks) f.get();
 }
 
+// Where NCCL's result and the CPU reference part: how many elements, the largest gap, the first
+// differing index, and at world 1 (where every reduction is the input itself) which side is off.
+std::string differences(const at::Tensor& gpu, const at::Tensor& cpu, const at::Tensor& input, int world) {
+  std::ostringstream out;
+  const auto gap = (gpu - cpu).abs();
+  const auto bad = gap.gt(1e-6 + 1e-5 * cpu.abs());
+  out << bad.sum().item<std::int64_t>() << " of " << gpu.numel() << " differ, max |gap| "
+      << gap.max().item<double>();
+  if (bad.any().item<bool>()) out << ", first at " << bad.nonzero()[0][0].item<std::int64_t>();
+  if (world == 1) {
+    const auto in = input.slice(0, 0, gpu.numel());
+    out << "; vs the input: NCCL max |gap| " << (gpu - in).abs().max().item<double>() << ", CPU "
+        << (cpu - in).abs().max().item<double>();
+  }
+  return out.str();
+}
+
 // The same collective through NCCL on the device and through Gloo on the CPU, compared.
 TEST(GpuNccl, EveryCollectiveMatchesGloo) {
   SKIP_WITHOUT_GPU();
@@ -93,12 +111,16 @@ TEST(GpuNccl, EveryCollectiveMatchesGloo) {
           auto gpu = onDevice(mine);
           g.gloo.allReduce(cpu, op).wait();
           g.nccl.allReduce(gpu, op).wait();
-          EXPECT_TRUE(at::allclose(gpu.cpu(), cpu, 1e-5, 1e-6)) << "allReduce chunk " << chunk;
+          EXPECT_TRUE(at::allclose(gpu.cpu(), cpu, 1e-5, 1e-6))
+              << "allReduce chunk " << chunk << " " << dtype << " op " << static_cast<int>(op)
+              << " world " << g.world << ": " << differences(gpu.cpu(), cpu, mine, g.world);
           auto cpuOut = at::empty({chunk}, mine.options());
           auto gpuOut = at::empty({chunk}, mine.options().device(g.device));
           g.gloo.reduceScatter(mine, cpuOut, op).wait();
           g.nccl.reduceScatter(onDevice(mine), gpuOut, op).wait();
-          EXPECT_TRUE(at::allclose(gpuOut.cpu(), cpuOut, 1e-5, 1e-6)) << "reduceScatter chunk " << chunk;
+          EXPECT_TRUE(at::allclose(gpuOut.cpu(), cpuOut, 1e-5, 1e-6))
+              << "reduceScatter chunk " << chunk << " " << dtype << " op " << static_cast<int>(op)
+              << " world " << g.world << ": " << differences(gpuOut.cpu(), cpuOut, mine, g.world);
         }
         const auto part = mine.slice(0, 0, chunk).contiguous();
         auto cpuAll = at::empty({chunk * g.world}, mine.options());
