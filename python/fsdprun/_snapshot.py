@@ -11,7 +11,9 @@ plain value, {"f": "nan"} a non-finite float.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import fcntl
+import functools
 import hashlib
 import hmac
 import json
@@ -191,6 +193,14 @@ class _Snapshots:
         self.buffers: List[_Buffer] = []
         self.held: set = set()  # this rank's steps the agent said it still holds
         self.lock = threading.Lock()  # the buffers' copying flags (the copy thread clears them)
+        # The piece's write and its hand-over to the agent, off the training thread (snapshot()'s
+        # background=True): one at a time; the next snapshot, wait(), restore() and every
+        # optimizer's step() wait for it first (the step is what changes a state in place).
+        self.writer: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self.pending: Optional[concurrent.futures.Future] = None
+        self.late_error: Optional[BaseException] = None  # a background write's, raised at the next call
+        self.hooked = False
+        self.torn_once = False  # a state changed during a background write: written in the foreground
 
     def buffer_for(self, size: int) -> _Buffer:
         """A buffer of `size` bytes the agent no longer holds and nothing reads."""
@@ -231,6 +241,59 @@ class _Snapshots:
         self.endpoints = {g: e for g, e in gathered}
         if self.groups > 1:
             self.peer = self.endpoints.get((self.group_rank + 1) % self.groups) or None
+
+    # -- the background write --------------------------------------------------------------
+    def drain(self) -> None:
+        """Waits for the write in flight; its error is kept for the next snapshot() or wait()."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        try:
+            pending.result()
+        except BaseException as e:  # noqa: BLE001 - re-raised where the script can act on it
+            self.late_error = e
+
+    def raise_late(self) -> None:
+        error, self.late_error = self.late_error, None
+        if error is not None:
+            raise error
+
+    def submit(self, job) -> None:  # noqa: ANN001
+        if self.writer is None:
+            self.writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fsdprun-snapshot")
+        self.hook_optimizers()
+        self.pending = self.writer.submit(job)
+
+    def hook_optimizers(self) -> None:
+        """Every optimizer's step() waits for the write in flight (the step changes parameters and
+        the optimizer's state in place): PyTorch 2.x's global pre-hook; on 1.13, which has none,
+        the step() of every optimizer class defined by now, wrapped once."""
+        if self.hooked:
+            return
+        self.hooked = True
+        import torch
+        import torch.optim.optimizer as optim
+        if hasattr(optim, "register_optimizer_step_pre_hook"):
+            optim.register_optimizer_step_pre_hook(lambda *_: self.drain())
+            return
+        classes, seen = [torch.optim.Optimizer], set()
+        while classes:
+            c = classes.pop()
+            if c in seen:
+                continue
+            seen.add(c)
+            classes.extend(c.__subclasses__())
+            step = c.__dict__.get("step")
+            if step is None or getattr(step, "_fsdprun_waits", False):
+                continue
+
+            @functools.wraps(step)
+            def waiting_step(*args, __step=step, **kwargs):  # noqa: ANN002, ANN003, ANN202
+                self.drain()
+                return __step(*args, **kwargs)
+
+            waiting_step._fsdprun_waits = True
+            c.step = waiting_step
 
     # -- the background copy to the next node ------------------------------------------------
     def queue_copy(self, buffer: _Buffer, step: int, size: int) -> None:
@@ -288,21 +351,15 @@ class _Snapshots:
 _snaps = _Snapshots()
 
 
-def _write_piece(step: int, tree: Any, tensors: List[Any]) -> Tuple[_Buffer, int]:
-    """The piece in a buffer the agent no longer holds; returns (buffer, bytes)."""
-    import torch
+def _layout(step: int, tree: Any, tensors: List[Any]) -> Tuple[bytes, List[Dict[str, Any]], int, int]:
+    """The piece's header, its blocks, the data's offset and the piece's size; raises where the
+    piece would pass the agent's snapshot memory. Reads no tensor's data."""
     blocks = []
     cursor = 0
-    cpu = []
     for t in tensors:
-        c = t.detach()
-        if c.device.type != "cpu":
-            c = c.cpu()
-        c = c.contiguous()
-        nbytes = c.numel() * c.element_size()
-        blocks.append({"offset": cursor, "bytes": nbytes, "dtype": str(c.dtype).replace("torch.", ""),
-                       "shape": list(c.shape)})
-        cpu.append(c)
+        nbytes = t.numel() * t.element_size()
+        blocks.append({"offset": cursor, "bytes": nbytes, "dtype": str(t.dtype).replace("torch.", ""),
+                       "shape": list(t.shape)})
         cursor = _align(cursor + nbytes, 64)
     header = json.dumps({"rank": _snaps.rank, "world": _snaps.world, "step": step, "round": _snaps.round,
                          "meta": {"format": "fsdprun-python", "version": 1, "tree": tree},
@@ -316,48 +373,109 @@ def _write_piece(step: int, tree: Any, tensors: List[Any]) -> Tuple[_Buffer, int
         raise RuntimeError(f"fsdprun.snapshot: the state of step {step} takes {total} bytes, more than the "
                            f"agent's snapshot memory ({_snaps.limit} bytes, --snapshot_memory_limit): raise "
                            f"--snapshot_memory_limit, or snapshot less; the snapshots taken before are kept")
+    return header, blocks, data_offset, total
+
+
+def _versions(tensors: List[Any]) -> List[Optional[int]]:
+    """Each tensor's version counter (bumped by every in-place change), None where it has none."""
+    out: List[Optional[int]] = []
+    for t in tensors:
+        try:
+            out.append(t._version)
+        except (RuntimeError, AttributeError):  # inference tensors keep no counter
+            out.append(None)
+    return out
+
+
+def _fill(layout: Tuple[bytes, List[Dict[str, Any]], int, int], tensors: List[Any]) -> Tuple[_Buffer, int]:
+    import torch
+    header, blocks, data_offset, total = layout
     buffer = _snaps.buffer_for(total)
     buffer.step = -1  # being written: holds nothing
     m = buffer.map
     m[0:PREFIX_BYTES] = MAGIC + struct.pack("<QQ", data_offset, len(header))
     m[PREFIX_BYTES:PREFIX_BYTES + len(header)] = header
-    for block, c in zip(blocks, cpu):
+    for block, t in zip(blocks, tensors):
         if block["bytes"] == 0:
             continue
         start = data_offset + block["offset"]
-        buffer.bytes[start:start + block["bytes"]].copy_(c.reshape(-1).view(torch.uint8))
+        c = t.detach()
+        if c.device.type != "cpu":
+            c = c.cpu()
+        buffer.bytes[start:start + block["bytes"]].copy_(c.contiguous().reshape(-1).view(torch.uint8))
     return buffer, total
 
 
-def snapshot(step: int, state: Any) -> None:
+def snapshot(step: int, state: Any, background: bool = True) -> None:
     """Hands ``state`` (after ``step``) to this node's agent, which holds it across this process's
     death; a background thread copies it to the next node's agent. Every rank calls it at the
     same steps (its first call is collective: the ranks learn where the next node's agent
     listens). Active under fsdprun with ``--max_restarts`` > 0; elsewhere it does nothing.
 
+    ``background=True`` (the default): the tensors' bytes are copied into the piece and handed to
+    the agent on a thread of this module while the script goes on; every optimizer's ``step()``,
+    the next ``snapshot()``, ``wait()`` and ``restore()`` wait for it first, since a state's
+    tensors change in place in ``step()``. A tensor changed in place anywhere else before the
+    copy ended (an EMA, a buffer updated outside ``step()``) is caught by its version counter: that
+    step's piece is dropped (the previous one stays), one log line says so, and later snapshots
+    are written in the foreground. ``background=False`` writes before returning.
+
     Raises TypeError for a value a snapshot cannot hold (naming where it is in ``state``),
     RuntimeError before ``init_process_group`` and for a state larger than the agent's snapshot
-    memory; the snapshots taken before are left as they were."""
+    memory; the agent's refusal of a background write is raised by the next ``snapshot()`` or
+    ``wait()``. The snapshots taken before are left as they were."""
     if not _snaps.active():
         return
     tensors: List[Any] = []
     tree = _encode(state, tensors, "")
     _snaps.learn_endpoints()
-    buffer, size = _write_piece(int(step), tree, tensors)
-    answer, _ = _snaps.keeper.ask({"op": "put", "rank": _snaps.rank, "world": _snaps.world, "step": int(step),
+    _snaps.drain()
+    _snaps.raise_late()
+    step = int(step)
+    layout = _layout(step, tree, tensors)
+    if not background or _snaps.torn_once:
+        _hand_over(step, *_fill(layout, tensors))
+        return
+    before = _versions(tensors)
+
+    def write() -> None:
+        delay = os.environ.get("FSDPRUN_TEST_SNAPSHOT_DELAY_MS")  # tests: a slow copy, made so
+        if delay:
+            time.sleep(float(delay) / 1000)
+        buffer, size = _fill(layout, tensors)
+        changed = [i for i, (a, b) in enumerate(zip(before, _versions(tensors))) if a != b]
+        if changed:
+            _snaps.torn_once = True
+            _log.warning("fsdprun: rank %d: %d tensor(s) of the state of step %d changed in place while the "
+                         "snapshot copied them (outside an optimizer's step()): that snapshot is dropped, "
+                         "the ones after it are written before snapshot() returns", _snaps.rank, len(changed),
+                         step)
+            return
+        _hand_over(step, buffer, size)
+
+    _snaps.submit(write)
+
+
+def _hand_over(step: int, buffer: _Buffer, size: int) -> None:
+    """The written piece to this node's agent, then queued for the next node's."""
+    answer, _ = _snaps.keeper.ask({"op": "put", "rank": _snaps.rank, "world": _snaps.world, "step": step,
                                    "round": _snaps.round}, buffer.fd)
     if not answer.get("ok"):
         _snaps.held = set()
         raise RuntimeError(f"fsdprun.snapshot: the agent refused the snapshot of step {step}: "
                            f"{answer.get('error', 'no reason given')} (raise --snapshot_memory_limit)")
-    buffer.step = int(step)
+    buffer.step = step
     # What the agent no longer holds is this process's to write again.
-    _snaps.held = set(answer.get("held", [int(step)]))
-    _snaps.queue_copy(buffer, int(step), size)
+    _snaps.held = set(answer.get("held", [step]))
+    _snaps.queue_copy(buffer, step, size)
 
 
 def wait() -> None:
-    """Waits until the copies to the next node's agent queued so far are sent (or failed)."""
+    """Waits until the snapshot written in the background is with this node's agent (raising the
+    agent's refusal of it) and the copies to the next node's agent queued so far are sent (or
+    failed)."""
+    _snaps.drain()
+    _snaps.raise_late()
     if _snaps.copy_thread is not None:
         _snaps.copies.join()
 
@@ -419,6 +537,7 @@ def restore(replicated: bool = False) -> Optional[Tuple[int, Any]]:
     newest step's piece of old rank r (rank 0's where the old world had no rank r)."""
     if not _snaps.active():
         return None
+    _snaps.drain()
     dist = _dist()
     start = time.monotonic()
     listed, _ = _snaps.keeper.ask({"op": "list"})

@@ -1,7 +1,8 @@
 """fsdprun's Python module used wrongly, under fsdprun --nproc_per_node 1 --max_restarts 1
 --snapshot_memory_limit 2M: each misuse raises one exception naming the fix, and the snapshot
-taken before it is still the one restore() brings back. Prints "bad use ok" or exits 1 naming
-what was wrong."""
+taken before it is still the one restore() brings back; then the background write against an
+optimizer's step and an in-place change (background_write). Prints "bad use ok" or exits 1
+naming what was wrong."""
 import sys
 
 import torch
@@ -19,6 +20,41 @@ def expect(kind, words, call):
             return None
         return f"{kind.__name__} without {words}: {e}"
     return f"no {kind.__name__} for {words}"
+
+
+def background_write():
+    """The background write (snapshot()'s default) with a copy slowed to 300 ms: an optimizer's
+    step() waits for it, so the piece holds the values from before the step; a tensor changed in
+    place outside step() while it is copied drops that step's piece (the earlier one stays) and
+    turns later snapshots to the foreground."""
+    import os
+    from fsdprun import _snapshot
+    os.environ["FSDPRUN_TEST_SNAPSHOT_DELAY_MS"] = "300"
+    p = torch.nn.Parameter(torch.arange(6.0))
+    opt = torch.optim.SGD([p], lr=1.0)
+    p.grad = torch.ones(6)
+    fsdprun.snapshot(6, {"p": p.detach()})
+    opt.step()  # must wait for the copy: the piece keeps 0..5, not -1..4
+    restored = fsdprun.restore()
+    if restored is None or restored[0] != 6 or not torch.equal(restored[1]["p"], torch.arange(6.0)):
+        return f"the optimizer's step did not wait for the background write: restore() gave {restored}"
+    w = torch.zeros(8)
+    fsdprun.snapshot(7, {"w": w})
+    w.add_(1)  # in place, outside any step(), while the copy sleeps
+    fsdprun.wait()
+    restored = fsdprun.restore()
+    if restored is None or restored[0] != 6:
+        return f"a state changed during its background write was kept: restore() gave {restored}"
+    if not _snapshot._snaps.torn_once:
+        return "the torn write did not turn later snapshots to the foreground"
+    fsdprun.snapshot(8, {"w": w})  # the foreground now: no delay applies
+    w.add_(1)
+    restored = fsdprun.restore()
+    del os.environ["FSDPRUN_TEST_SNAPSHOT_DELAY_MS"]
+    if restored is None or restored[0] != 8 or not torch.equal(restored[1]["w"], torch.ones(8)):
+        return f"the foreground snapshot after a torn one: restore() gave {restored}"
+    print("background write ok")
+    return None
 
 
 def main() -> int:
@@ -40,6 +76,7 @@ def main() -> int:
         if step != 1 or not torch.equal(back["w"], state["w"]) or back["nested"] != [1.5, (2, None)] \
                 or back["name"] != "a" or back["nan"] == back["nan"]:
             problems.append(f"restore() gave step {step} and {back}, not the snapshot of step 1")
+    problems.append(background_write())
     problems = [p for p in problems if p]
     if problems:
         print("bad use FAILED: " + "; ".join(problems), file=sys.stderr)
