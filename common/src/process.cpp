@@ -96,6 +96,12 @@ std::vector<char*> cStrings(const std::vector<std::string>& strings) {
   if (options.stdinFd && ::dup2(*options.stdinFd, STDIN_FILENO) < 0) fail(errno);
   redirect(options.stderrPath, STDERR_FILENO);
   if (options.stderrFd && ::dup2(*options.stderrFd, STDERR_FILENO) < 0) fail(errno);
+  if (options.cpuAffinity && ::sched_setaffinity(0, sizeof(cpu_set_t), &*options.cpuAffinity) != 0) fail(errno);
+  constexpr int kMpolBind = 2;  // <numaif.h>'s MPOL_BIND, without libnuma
+  if (options.memoryNodes != 0 &&
+      ::syscall(SYS_set_mempolicy, kMpolBind, &options.memoryNodes, sizeof(unsigned long) * 8 + 1) != 0) {
+    fail(errno);
+  }
   ::execve(program, argv, envp);
   fail(errno);
   ::_exit(127);

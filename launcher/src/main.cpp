@@ -1,5 +1,7 @@
 // fsdprun: the launcher. Exit codes: 0 success, 1 the job failed (workers failed after all
 // restarts), 2 bad usage, 128+N stopped by signal N.
+#include <ctime>
+#include <fstream>
 #include <iostream>
 
 #include "fsdp/common/error.hpp"
@@ -10,6 +12,17 @@
 #include "fsdp/slurm/slurm_env.hpp"
 
 namespace {
+
+// A scheduler that set TORCHELASTIC_ERROR_FILE for the launcher (TorchX does) reads the root
+// cause there, as torchrun writes it.
+void writeLauncherErrorFile(const fsdp::EnvLookup& env, const fsdp::launcher::Failure& failure) {
+  const auto path = env("TORCHELASTIC_ERROR_FILE");
+  if (!path || path->empty()) return;
+  std::ofstream out(*path, std::ios::trunc);
+  out << fsdp::launcher::torchrunErrorJson(failure, static_cast<long long>(std::time(nullptr))) << "\n";
+  out.close();
+  if (!out) fsdp::log::warn("TORCHELASTIC_ERROR_FILE '{}': could not write the root cause there", *path);
+}
 
 void warnAboutReferenceBlas() {
   const auto blas = fsdp::launcher::quickInspectBlas();
@@ -40,6 +53,7 @@ int main(int argc, char** argv) {
       return parsed.exitCode;
     }
     const auto& options = *parsed.options;
+    for (const auto& warning : options.warnings) fsdp::log::warn("{}", warning);
     const auto command = fsdp::launcher::workerCommand(options, env);
     if (options.dryRun) {
       std::cout << fsdp::launcher::describeConfiguration(options, command);
@@ -51,9 +65,17 @@ int main(int argc, char** argv) {
       if (const auto job = fsdp::slurm::readSlurmJob(env)) fsdp::slurm::resolveHeadNode(*job);
     }
     warnAboutReferenceBlas();
+    if (options.nprocPerNode > 1 && !env("OMP_NUM_THREADS")) {
+      // torchrun's own warning, in its words, once per agent.
+      fsdp::log::warn(
+          "Setting OMP_NUM_THREADS environment variable for each process to be 1 in default, to avoid "
+          "your system being overloaded, please further tune the variable for optimal performance in "
+          "your application as needed.");
+    }
     const auto result = fsdp::launcher::runAgent(options, command);
     if (result.exitCode == 1) {
       if (result.failure) {
+        writeLauncherErrorFile(env, *result.failure);
         printError(fsdp::launcher::describeFailure(*result.failure, options.maxRestarts));
       } else if (!result.message.empty()) {
         printError(result.message);

@@ -90,6 +90,15 @@ const Spec kSpecs[] = {
     {"module", "-m,--module", "PROGRAM is a Python module (python3 -m)", kLaunch, true},
     {"run_path", "--run_path,--run-path", "PROGRAM is a Python script whatever its name", kLaunch,
      true},
+    {"event_log_handler", "--event_log_handler,--event-log-handler",
+     "Accepted for torchrun compatibility (its event-handler plugins) and ignored with a warning: "
+     "fsdprun's events are its log lines, the JSONL metrics and --metrics_port",
+     kLaunch},
+    {"numa_binding", "--numa_binding,--numa-binding",
+     "Bind each local worker to CPUs: node (a NUMA node's), socket (a package's), exclusive (an "
+     "even share of the allowed CPUs, no two workers sharing one), core-complex (CPUs sharing one "
+     "L3 cache); workers spread over the nodes, sockets or complexes by local rank",
+     kLaunch},
     {"start_method", "--start_method,--start-method",
      "Accepted for torchrun compatibility (spawn, fork, forkserver); workers are always exec'd",
      kLaunch},
@@ -125,6 +134,10 @@ const Spec kSpecs[] = {
     {"tee", "-t,--tee",
      "Copy worker stdout (1), stderr (2) or both (3) to log files and the console, prefixed "
      "[rank<N>]:",
+     kLogs},
+    {"logs_specs", "--logs_specs,--logs-specs",
+     "Accepted for torchrun compatibility (a LogsSpecs plugin class) and ignored with a warning: "
+     "--log_dir, --redirects and --tee say where worker logs go",
      kLogs},
     {"local_ranks_filter", "--local_ranks_filter,--local-ranks-filter",
      "Only these local ranks' output reaches the console (e.g. 0 or 0,1)", kLogs},
@@ -414,6 +427,23 @@ ParseResult parseCommandLine(int argc, const char* const* argv, const EnvLookup&
     throw ConfigError("--rdzv_id '" + o.rdzvId + "': expected 1-255 characters");
   }
   o.rdzvConf = RdzvConf::parse(text["rdzv_conf"]);
+  for (const auto& item : o.rdzvConf.ignored) o.warnings.push_back("--rdzv_conf " + item + ": ignored");
+  if (!text["event_log_handler"].empty()) {
+    o.warnings.push_back("--event_log_handler '" + text["event_log_handler"] +
+                         "': ignored (torchrun's event-handler plugins; fsdprun's events are its log lines, the "
+                         "JSONL metrics and --metrics_port)");
+  }
+  if (!text["logs_specs"].empty()) {
+    o.warnings.push_back("--logs_specs '" + text["logs_specs"] +
+                         "': ignored (a torchrun LogsSpecs plugin class; --log_dir, --redirects and --tee say "
+                         "where worker logs go)");
+  }
+  if (const auto& numa = text["numa_binding"]; !numa.empty()) {
+    if (numa != "node" && numa != "socket" && numa != "exclusive" && numa != "core-complex") {
+      throw ConfigError("--numa_binding '" + numa + "': expected node, socket, exclusive or core-complex");
+    }
+    o.numaBinding = numa;
+  }
   // The node Slurm numbers 0 is the first host of the node list: it serves the rendezvous
   // (host names inside a job are not always this machine's gethostname()).
   if (endpointFromSlurm && !o.rdzvConf.isHost && job->nodeId) {
@@ -472,10 +502,32 @@ bool usesLibfsdp(const std::string& path) {
   return found;
 }
 
+namespace {
+
+// Whether `path` is a text file the kernel cannot run itself, neither an ELF program nor a script
+// with a "#!" line: torchrun runs every PROGRAM under Python; we run such a file under Python too.
+// A file with NUL bytes in its first 512 is data, not a script: refused as not executable.
+bool needsInterpreter(const std::string& path) {
+  struct stat st {};
+  if (path.find('/') == std::string::npos && ::access(path.c_str(), F_OK) != 0) return false;  // a PATH name
+  if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return false;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  char head[512] = {};
+  const auto n = ::read(fd, head, sizeof head);
+  ::close(fd);
+  if (n < 0) return false;
+  const std::string_view text(head, static_cast<std::size_t>(n));
+  if (text.starts_with("#!") || text.starts_with("\x7f" "ELF")) return false;
+  return text.find('\0') == std::string_view::npos;
+}
+
+}  // namespace
+
 std::vector<std::string> workerCommand(const LaunchOptions& options, const EnvLookup& env) {
   const std::string& program = options.command.front();
-  const bool python =
-      !options.noPython && (options.module || options.runPath || program.ends_with(".py"));
+  const bool python = !options.noPython && (options.module || options.runPath || program.ends_with(".py") ||
+                                            needsInterpreter(program));
   std::vector<std::string> argv;
   if (python && options.standby) {
     throw ConfigError("--standby: PROGRAM '" + program + "' runs under Python; a standby worker waits in "

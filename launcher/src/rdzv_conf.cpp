@@ -73,15 +73,18 @@ RdzvConf RdzvConf::parse(const std::string& text) {
       conf.allowPytorchClients = boolean(item, value);
     } else if (key == "store_proxy") {
       conf.storeProxy = boolean(item, value);
-    } else if (key == "read_timeout" || key == "timeout" || key == "store_type" ||
-               key == "use_libuv" || key == "local_addr") {
+    } else if (key == "read_timeout" || key == "timeout" || key == "store_type" || key == "use_libuv") {
       // torchrun's, with no meaning here: accepted so that existing command lines work.
+      conf.ignored.push_back(item + ": torchrun's TCPStore setting; fsdprun's store has its own (join_timeout "
+                                    "bounds the rendezvous, heartbeat_timeout a silent peer)");
+    } else if (key == "local_addr") {
+      conf.ignored.push_back(item + ": give --local_addr instead");
     } else {
-      throw bad(item, "unknown key '" + key +
-                          "' (known: join_timeout, last_call_timeout, close_timeout, "
-                          "heartbeat_interval, heartbeat_timeout, keep_alive_interval, "
-                          "keep_alive_max_attempt, is_host, token_file, allow_pytorch_clients, "
-                          "store_proxy)");
+      // torchrun carries unknown keys to custom rendezvous handlers; fsdprun has none.
+      conf.ignored.push_back(item + ": not a key fsdprun knows (known: join_timeout, last_call_timeout, "
+                                    "close_timeout, heartbeat_interval, heartbeat_timeout, keep_alive_interval, "
+                                    "keep_alive_max_attempt, is_host, token_file, allow_pytorch_clients, "
+                                    "store_proxy)");
     }
   }
   if (keepAliveInterval) conf.heartbeatInterval = *keepAliveInterval;

@@ -52,7 +52,11 @@ RunResult runCommand(const std::vector<std::string>& argv, std::chrono::millisec
                      const std::vector<std::string>& extraEnv) {
   TempDir dir;
   SpawnOptions options{.argv = argv, .env = currentEnvironment()};
-  options.env.insert(options.env.end(), extraEnv.begin(), extraEnv.end());
+  for (const auto& entry : extraEnv) {  // an extra entry replaces the inherited one of its name
+    const std::string key = entry.substr(0, entry.find('=') + 1);
+    std::erase_if(options.env, [&](const std::string& e) { return e.starts_with(key); });
+    options.env.push_back(entry);
+  }
   options.stdoutPath = dir.path() + "/stdout";
   options.stderrPath = dir.path() + "/stderr";
   auto child = ChildProcess::spawn(options);

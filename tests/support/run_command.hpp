@@ -16,7 +16,7 @@ struct RunResult {
   int pid = -1;
 };
 
-// Starts argv (extraEnv entries "K=V" added to the current environment), waits at most
+// Starts argv (extraEnv entries "K=V" replacing or added to the current environment), waits at most
 // `timeout`; on timeout kills the process group and reports timedOut.
 RunResult runCommand(const std::vector<std::string>& argv, std::chrono::milliseconds timeout,
                      const std::vector<std::string>& extraEnv = {});

@@ -78,6 +78,10 @@ std::vector<detail::WorkerSpec> Agent::workerSpecs(const Assignment& a, const st
     std::error_code ec;
     std::filesystem::remove(contact.errorFile, ec);
     specs.push_back({local, id.rank, command_, workerEnvironment(options_, id, contact, base_)});
+    if (static_cast<std::size_t>(local) < bindings_.size()) {
+      specs.back().cpus = bindings_[static_cast<std::size_t>(local)].cpus;
+      specs.back().memNodes = bindings_[static_cast<std::size_t>(local)].memNodes;
+    }
   }
   return specs;
 }

@@ -23,6 +23,7 @@
 #include "../metrics/agent_metrics.hpp"
 #include "fsdp/common/metrics_http.hpp"
 #include "../workers/guardian.hpp"
+#include "../workers/numa_binding.hpp"
 #include "../workers/worker_group.hpp"
 
 struct pollfd;
@@ -52,7 +53,8 @@ class Agent {
         command_(std::move(command)),
         plan_(planRendezvous(options)),
         signals_(options.signalsToHandle),
-        base_(currentEnvironment()) {
+        base_(currentEnvironment()),
+        bindings_(numaBindings(options)) {
     for (const auto& arg : command_) program_ += (program_.empty() ? "" : " ") + arg;
   }
 
@@ -99,6 +101,7 @@ class Agent {
   SignalFd signals_;  // before any thread starts, so that every thread inherits the mask
   detail::Guardian guardian_;  // forked before any thread starts too
   const std::vector<std::string> base_;
+  const std::vector<detail::Binding> bindings_;  // --numa_binding's, by local rank; empty: none
   ScratchDir scratch_;
   std::string token_;
   std::string tokenFile_;

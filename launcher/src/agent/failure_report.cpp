@@ -2,6 +2,8 @@
 // reads it (describeFailure).
 #include "fsdp/launcher/agent.hpp"
 
+#include <sys/wait.h>
+
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -91,6 +93,35 @@ std::string describeFailure(const Failure& f, int maxRestarts) {
   if (f.error.empty() && f.stderrTail.empty()) out << "  it wrote nothing to stderr\n";
   if (!f.peers.empty()) out << "  the other workers of its node, still running then:\n" << joinLines(f.peers, "    ");
   return out.str();
+}
+
+std::string torchrunErrorJson(const Failure& f, long long now) {
+  std::string message;
+  std::string stack;
+  const auto split = [&](const std::string& text) {
+    const auto eol = text.find('\n');
+    message = text.substr(0, eol);
+    stack = eol == std::string::npos ? "" : text.substr(eol + 1);
+  };
+  if (!f.hang.empty()) {
+    split(f.hang);
+    message = "the job hung: " + message;
+  } else if (!f.error.empty()) {
+    split(f.error);
+  } else {
+    message = "rank " + std::to_string(f.rank) + " (local_rank " + std::to_string(f.localRank) + " on " + f.node +
+              ", pid " + std::to_string(f.pid) + ") failed: " + describeWaitStatus(f.waitStatus);
+    stack = f.stderrTail;
+  }
+  // torchrun's exit code of a worker: its status, or minus the signal that ended it.
+  const int code = WIFSIGNALED(f.waitStatus) ? -WTERMSIG(f.waitStatus)
+                   : WIFEXITED(f.waitStatus)  ? WEXITSTATUS(f.waitStatus)
+                                              : 1;
+  return nlohmann::json{{"message",
+                         {{"message", message},
+                          {"extraInfo", {{"py_callstack", stack}, {"timestamp", std::to_string(now)}}},
+                          {"errorCode", code}}}}
+      .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
 }  // namespace fsdp::launcher

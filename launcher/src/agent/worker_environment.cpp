@@ -83,7 +83,9 @@ std::vector<std::string> workerEnvironment(const LaunchOptions& options, const W
     if (key == "FSDPRUN_TOKEN") continue;
     if (!set.contains(key)) env.push_back(std::move(entry));
   }
-  if (!haveOmp) env.push_back("OMP_NUM_THREADS=1");
+  // As torchrun: one OpenMP thread per worker where several share the node (they would otherwise
+  // each take every core); a single worker keeps LibTorch's default. A user's setting wins.
+  if (!haveOmp && options.nprocPerNode > 1) env.push_back("OMP_NUM_THREADS=1");
   // glibc's malloc asks for transparent huge pages on the memory it maps (glibc 2.35+; older
   // ones and other allocators ignore it). A training step's large tensors then fault in 2 MB at a
   // time instead of 4 KB: fewer faults every step, a faster restart (a worker's start-up and a

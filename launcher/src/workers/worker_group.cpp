@@ -82,6 +82,15 @@ WorkerGroup::WorkerGroup(std::vector<WorkerSpec> specs, const OutputOptions& out
     Worker& w = workers_.emplace_back();
     w.spec = std::move(spec);
     SpawnOptions spawn{.argv = w.spec.argv, .env = w.spec.env};
+    if (!w.spec.cpus.empty()) {
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      for (int c : w.spec.cpus) CPU_SET(c, &set);
+      spawn.cpuAffinity = set;
+    }
+    for (int node : w.spec.memNodes) {
+      if (node >= 0 && node < 64) spawn.memoryNodes |= 1UL << node;
+    }
     setUpStream(w, w.out, kStdout, spawn);
     setUpStream(w, w.err, kStderr, spawn);
     w.started = Deadline::Clock::now();

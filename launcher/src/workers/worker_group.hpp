@@ -30,6 +30,8 @@ struct WorkerSpec {
   int rank = 0;
   std::vector<std::string> argv;
   std::vector<std::string> env;  // full environment, "KEY=VALUE"
+  std::vector<int> cpus;         // --numa_binding's CPUs; empty: inherited
+  std::vector<int> memNodes;     // --numa_binding's memory nodes; empty: the default policy
 };
 
 struct OutputOptions {

@@ -247,7 +247,12 @@ TEST(RdzvConf, ReadsSecondsAndTorchrunsKeepAliveKeys) {
   const auto k = RdzvConf::parse("keep_alive_interval=2,keep_alive_max_attempt=4");
   EXPECT_EQ(k.heartbeatInterval, std::chrono::milliseconds(2000));
   EXPECT_EQ(k.heartbeatTimeout, std::chrono::milliseconds(8000));
-  EXPECT_THROW(RdzvConf::parse("bogus=1"), ConfigError);
+  // torchrun carries unknown keys to custom handlers: accepted, each named for one warning.
+  const auto unknown = RdzvConf::parse("bogus=1,timeout=5,join_timeout=7");
+  ASSERT_EQ(unknown.ignored.size(), 2u);
+  EXPECT_TRUE(unknown.ignored[0].starts_with("bogus=1: not a key fsdprun knows")) << unknown.ignored[0];
+  EXPECT_TRUE(unknown.ignored[1].starts_with("timeout=5: torchrun's TCPStore setting")) << unknown.ignored[1];
+  EXPECT_EQ(unknown.joinTimeout, std::chrono::milliseconds(7000));
   EXPECT_THROW(RdzvConf::parse("join_timeout=0"), ConfigError);
   EXPECT_THROW(RdzvConf::parse("heartbeat_interval=5,heartbeat_timeout=5"), ConfigError);
   EXPECT_THROW(RdzvConf::parse("is_host=maybe"), ConfigError);

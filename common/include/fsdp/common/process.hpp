@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include <sched.h>
+
 namespace fsdp {
 
 struct SpawnOptions {
@@ -21,6 +23,8 @@ struct SpawnOptions {
   std::optional<int> stdoutFd;            // dup2'ed onto stdout when set (e.g. a pipe's write end)
   std::optional<int> stderrFd;            // dup2'ed onto stderr when set
   std::optional<int> stdinFd;             // dup2'ed onto stdin when set
+  std::optional<cpu_set_t> cpuAffinity;   // sched_setaffinity before exec when set
+  unsigned long memoryNodes = 0;          // set_mempolicy(MPOL_BIND) to these NUMA nodes (bit n: node n); 0: none
 };
 
 class ChildProcess {

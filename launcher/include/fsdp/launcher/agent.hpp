@@ -97,6 +97,10 @@ std::vector<std::string> workerEnvironment(const LaunchOptions& options, const W
 // The report of the failure that ended a job, several lines: who, how, when, its error file
 // or its last stderr lines.
 std::string describeFailure(const Failure& failure, int maxRestarts);
+// The failure as torchrun writes the root cause where its own TORCHELASTIC_ERROR_FILE points (a
+// worker's error file, "errorCode" added: {"message": {"message", "extraInfo": {"py_callstack",
+// "timestamp"}, "errorCode"}}); made from the report where the worker wrote no file. `now`: Unix s.
+std::string torchrunErrorJson(const Failure& failure, long long now);
 
 // The resolved configuration and where each value came from (--dry_run).
 std::string describeConfiguration(const LaunchOptions& options,

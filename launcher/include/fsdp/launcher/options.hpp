@@ -59,6 +59,10 @@ struct LaunchOptions {
   bool standby = false;
   bool dryRun = false;
   bool noSlurm = false;
+  // --numa_binding: "" (none), node, socket, exclusive or core-complex (numa_binding.hpp).
+  std::string numaBinding;
+  // One line each for what was accepted for torchrun's sake and ignored (the flag and why).
+  std::vector<std::string> warnings;
   std::vector<std::string> command;  // PROGRAM ARGS... as given
   // Where each setting came from, by option name: "flag", "environment PET_NNODES",
   // "default", "Slurm SLURM_NNODES", ...

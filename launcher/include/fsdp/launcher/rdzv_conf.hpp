@@ -1,11 +1,13 @@
 #pragma once
 // `--rdzv_conf k=v,k=v`: the rendezvous settings torchrun users pass, plus ours. Times are in
 // seconds, as torchrun's. torchrun's keys that mean nothing here (read_timeout, store_type,
-// use_libuv, timeout) are accepted and ignored; unknown keys are refused, naming the key.
+// use_libuv, timeout) and unknown keys (torchrun hands them to custom rendezvous handlers) are
+// accepted and ignored, each named in `ignored` for one warning line.
 
 #include <chrono>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace fsdp::launcher {
 
@@ -33,6 +35,9 @@ struct RdzvConf {
   bool storeProxy = true;
 
   // Throws ConfigError naming the key or value ("--rdzv_conf 'join_timeout=abc': ...").
+  // Keys accepted and ignored, each "KEY=VALUE: why" (fsdprun warns once per key).
+  std::vector<std::string> ignored;
+
   static RdzvConf parse(const std::string& text);
 };
 

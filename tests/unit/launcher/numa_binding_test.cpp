@@ -1,0 +1,133 @@
+// --numa_binding's plan on made-up topologies (launcher/src/workers/numa_binding.hpp), and the
+// launcher's error file in torchrun's shape (torchrunErrorJson).
+#include "workers/numa_binding.hpp"
+
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "fsdp/launcher/agent.hpp"
+
+namespace {
+
+using fsdp::launcher::detail::cpuListText;
+using fsdp::launcher::detail::planBindings;
+using fsdp::launcher::detail::Topology;
+
+std::vector<int> range(int lo, int hi) {
+  std::vector<int> out;
+  for (int c = lo; c < hi; ++c) out.push_back(c);
+  return out;
+}
+
+// Two sockets of 8 CPUs, one NUMA node each, two L3 complexes of 4 per socket.
+Topology twoSockets() {
+  Topology t;
+  t.allowed = range(0, 16);
+  t.numaNodes = {range(0, 8), range(8, 16)};
+  t.numaNodeIds = {0, 1};
+  t.sockets = t.numaNodes;
+  t.l3Groups = {range(0, 4), range(4, 8), range(8, 12), range(12, 16)};
+  return t;
+}
+
+TEST(NumaBinding, ExclusiveSplitsTheAllowedCpusEvenlyAndDisjointly) {
+  std::string note;
+  for (int workers = 1; workers <= 16; ++workers) {
+    const auto plan = planBindings("exclusive", workers, twoSockets(), note);
+    ASSERT_EQ(plan.size(), static_cast<std::size_t>(workers));
+    std::set<int> seen;
+    for (const auto& b : plan) {
+      EXPECT_GE(b.cpus.size(), static_cast<std::size_t>(16 / workers)) << workers;
+      EXPECT_LE(b.cpus.size(), static_cast<std::size_t>((16 + workers - 1) / workers)) << workers;
+      for (int c : b.cpus) EXPECT_TRUE(seen.insert(c).second) << "CPU " << c << " twice, " << workers << " workers";
+      EXPECT_FALSE(b.memNodes.empty());
+    }
+    EXPECT_EQ(seen.size(), 16u) << workers;
+  }
+  EXPECT_TRUE(note.empty()) << note;
+  // 4 workers: each within one socket, its memory there.
+  const auto four = planBindings("exclusive", 4, twoSockets(), note);
+  EXPECT_EQ(four[1].cpus, range(4, 8));
+  EXPECT_EQ(four[2].memNodes, std::vector<int>{1});
+}
+
+TEST(NumaBinding, FewerCpusThanWorkersSharesThemAndSaysSo) {
+  Topology t;
+  t.allowed = {2, 3};
+  std::string note;
+  const auto plan = planBindings("exclusive", 3, t, note);
+  EXPECT_EQ(plan[0].cpus, std::vector<int>{2});
+  EXPECT_EQ(plan[2].cpus, std::vector<int>{2});
+  EXPECT_NE(note.find("2 CPUs for 3 workers"), std::string::npos) << note;
+}
+
+TEST(NumaBinding, NodeSocketAndCoreComplexSpreadWorkersByLocalRank) {
+  std::string note;
+  const auto nodes = planBindings("node", 3, twoSockets(), note);
+  EXPECT_EQ(nodes[0].cpus, range(0, 8));
+  EXPECT_EQ(nodes[1].cpus, range(8, 16));
+  EXPECT_EQ(nodes[2].cpus, range(0, 8));
+  EXPECT_EQ(nodes[1].memNodes, std::vector<int>{1});
+  const auto complexes = planBindings("core-complex", 5, twoSockets(), note);
+  EXPECT_EQ(complexes[3].cpus, range(12, 16));
+  EXPECT_EQ(complexes[4].cpus, range(0, 4));
+  // No L3 listed: the sockets.
+  auto t = twoSockets();
+  t.l3Groups.clear();
+  EXPECT_EQ(planBindings("core-complex", 2, t, note)[1].cpus, range(8, 16));
+  // One NUMA node: no memory policy.
+  t.numaNodes = {range(0, 16)};
+  t.numaNodeIds = {0};
+  EXPECT_TRUE(planBindings("socket", 2, t, note)[0].memNodes.empty());
+  // Nothing listed: not bound, said.
+  Topology bare;
+  bare.allowed = range(0, 4);
+  note.clear();
+  EXPECT_TRUE(planBindings("node", 2, bare, note)[0].cpus.empty());
+  EXPECT_NE(note.find("lists no NUMA nodes"), std::string::npos) << note;
+}
+
+TEST(NumaBinding, ThisMachinesTopologyGivesEveryWorkerCpusItMayUse) {
+  const auto t = fsdp::launcher::detail::readTopology();
+  ASSERT_FALSE(t.allowed.empty());
+  for (const std::string mode : {"node", "socket", "exclusive", "core-complex"}) {
+    std::string note;
+    for (const auto& b : planBindings(mode, 2, t, note)) {
+      for (int c : b.cpus) EXPECT_TRUE(std::binary_search(t.allowed.begin(), t.allowed.end(), c)) << mode << " " << c;
+    }
+  }
+}
+
+TEST(NumaBinding, CpuListsReadAsTheKernelWritesThem) {
+  EXPECT_EQ(cpuListText({0, 1, 2, 3, 8}), "0-3,8");
+  EXPECT_EQ(cpuListText({5}), "5");
+  EXPECT_EQ(cpuListText({}), "");
+}
+
+TEST(LauncherErrorFile, TorchrunsShapeFromAWorkersErrorOrFromTheReport) {
+  fsdp::launcher::Failure f;
+  f.rank = 1;
+  f.localRank = 1;
+  f.node = "n1";
+  f.pid = 42;
+  f.waitStatus = 3 << 8;  // exit code 3
+  f.error = "ValueError: bad batch\nTraceback (most recent call last):\n  File \"t.py\", line 3";
+  auto j = nlohmann::json::parse(fsdp::launcher::torchrunErrorJson(f, 1795800000));
+  EXPECT_EQ(j["message"]["message"], "ValueError: bad batch");
+  EXPECT_EQ(j["message"]["errorCode"], 3);
+  EXPECT_EQ(j["message"]["extraInfo"]["timestamp"], "1795800000");
+  EXPECT_NE(j["message"]["extraInfo"]["py_callstack"].get<std::string>().find("t.py"), std::string::npos);
+  f.error.clear();
+  f.stderrTail = "killed\n";
+  f.waitStatus = SIGKILL;  // ended by signal 9: torchrun's -9
+  j = nlohmann::json::parse(fsdp::launcher::torchrunErrorJson(f, 1));
+  EXPECT_EQ(j["message"]["errorCode"], -9);
+  EXPECT_NE(j["message"]["message"].get<std::string>().find("rank 1 (local_rank 1 on n1, pid 42) failed"),
+            std::string::npos);
+  EXPECT_EQ(j["message"]["extraInfo"]["py_callstack"], "killed\n");
+}
+
+}  // namespace
