@@ -1,5 +1,5 @@
 # fsdprun — the commands a user and CI need.
-#   make demo    install what is missing, build, train mnist on 2 processes for one epoch
+#   make demo    install and build only what the demo needs, train mnist on 2 processes for one epoch
 #   make test    install what is missing, build, run every test (SANITIZE=1: ASan+UBSan build)
 #   make bench   install what is missing, build, run every benchmark (JSON lines)
 #   make build   install what is missing, build
@@ -40,8 +40,9 @@ build: configure
 test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure --timeout 600 -j $(JOBS) $(CTEST_ARGS)
 
-demo: build
-	@scripts/demo $(BUILD_DIR)
+# Installs and builds only what the demo runs (scripts/demo), then trains.
+demo:
+	@JOBS=$(JOBS) CMAKE_BUILD_TYPE=$(CMAKE_BUILD_TYPE) CMAKE_FLAGS="$(CMAKE_FLAGS)" scripts/demo $(BUILD_DIR)
 
 bench: build
 	$(BUILD_DIR)/bin/fsdp-bench --all

@@ -65,6 +65,8 @@ class _State:
         self.attached = False
         self.raw_data = 0
         self.data_at_mark = 0
+        self.raw_wait = 0  # DDP's tail waits (record_ddp), summed
+        self.wait_at_mark = 0
         self.samples_at_mark = 0
         self.tokens_at_mark = 0
         self.last_mark = 0
@@ -115,7 +117,7 @@ def mark_progress(step: int, what: str = "step") -> None:
             t = s.timing
             t["last_step_ns"] = now - s.last_mark
             t["last_data_ns"] = min(s.raw_data - s.data_at_mark, t["last_step_ns"])
-            t["last_wait_ns"] = 0  # no collective is timed from Python (record_ddp's docstring)
+            t["last_wait_ns"] = min(s.raw_wait - s.wait_at_mark, t["last_step_ns"] - t["last_data_ns"])
             t["last_samples"] = t["samples"] - s.samples_at_mark
             t["last_tokens"] = t["tokens"] - s.tokens_at_mark
             t["step_ns"] += t["last_step_ns"]
@@ -123,6 +125,7 @@ def mark_progress(step: int, what: str = "step") -> None:
             t["data_ns"] += t["last_data_ns"]
             t["steps"] += 1
         s.data_at_mark = s.raw_data
+        s.wait_at_mark = s.raw_wait
         s.samples_at_mark, s.tokens_at_mark = s.timing["samples"], s.timing["tokens"]
         s.last_mark = now
         ring.publish_timing(s.timing)
@@ -160,8 +163,12 @@ def record_ddp(model: Any) -> Any:
     Returns ``model``; outside fsdprun it registers nothing. No communication hook (the model
     keeps its own, or DDP's default), no callback on Gloo's threads.
 
-    The step split does not count this wait (DDP overlaps its allreduces with the backward's
-    compute; only their end is seen): a DDP script's split is compute vs data."""
+    The step split's collective wait is DDP's tail: from the last gradient the backward computed
+    (a hook on each trainable parameter stamps the time) to the end of DDP's finalization, which
+    waits for every bucket's allreduce. A rank that waits there for a slower one shows it; the
+    waits of earlier buckets overlap its own backward and are not seen, and the copy of reduced
+    gradients back (without ``gradient_as_bucket_view``) counts as waiting. With it, the agents
+    name a rank whose compute stands out (straggler lines, as libfsdp's rank 0 writes them)."""
     ring = _state.attached_ring()
     if ring is None:
         return model
@@ -176,11 +183,20 @@ def record_ddp(model: Any) -> Any:
     dtype = next((str(p.dtype).replace("torch.", "") for p in model.parameters() if p.requires_grad), "")
     seq = [0]
     open_index: list = []
+    last_grad = [0]
+
+    def stamp(grad):  # noqa: ANN001, ANN202
+        last_grad[0] = _ring.now_ns()
 
     def complete() -> None:
         for index in open_index:
             ring.complete(index, True)
         open_index.clear()
+        if last_grad[0]:
+            waited = _ring.now_ns() - last_grad[0]
+            last_grad[0] = 0
+            with _state.lock:
+                _state.raw_wait += waited
 
     def after_ddp() -> None:
         # The engine runs callbacks queued while it runs them: this one goes after DDP's own
@@ -212,6 +228,9 @@ def record_ddp(model: Any) -> Any:
         return None
 
     model.register_forward_hook(forward_done)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_hook(stamp)
     return model
 
 

@@ -47,6 +47,15 @@ HangWatchdog::HangWatchdog(WatchdogOptions options, std::vector<WatchedWorker> w
   const rendezvous::ClientOptions client{.connectTimeout = 5s, .runId = options_.runId, .token = options_.token};
   store_ = rendezvous::StoreClient::connect(options_.storeHost, static_cast<std::uint16_t>(options_.storePort), client);
   if (::pipe2(notify_, O_CLOEXEC | O_NONBLOCK) != 0) throwErrno("pipe2 for the hang watchdog", errno);
+  try {
+    const auto straggling = stragglers::optionsFromEnv();
+    if (straggling.every > 0) {
+      stragglers_ = std::make_unique<PythonStragglers>(straggling, options_.round, options_.worldSize,
+                                                       options_.host, workers_);
+    }
+  } catch (const ConfigError& e) {  // the workers say it too (libfsdp stops on it)
+    log::warn("no straggler reports for PyTorch scripts: {}", e.what());
+  }
   thread_ = std::thread([this] { run(); });
 }
 
@@ -153,6 +162,7 @@ void HangWatchdog::run() {
         by = store_->get(declared, 1s);
         break;
       }
+      if (stragglers_) stragglers_->poll(*store_);
       if (const auto q = quiet()) {
         quietNs = q->quietNs;
         timeout = q->timeout;

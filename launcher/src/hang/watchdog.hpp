@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "../metrics/python_stragglers.hpp"
 #include "../workers/worker_group.hpp"
 
 namespace fsdp::rendezvous {
@@ -109,6 +110,9 @@ class HangWatchdog {
 
   WatchdogOptions options_;
   std::vector<WatchedWorker> workers_;
+  // PyTorch scripts' straggler windows ride on this thread and its store connection; null when
+  // FSDPRUN_STRAGGLER_EVERY is 0 or unreadable.
+  std::unique_ptr<PythonStragglers> stragglers_;
   std::unique_ptr<rendezvous::StoreClient> store_;    // the thread's
   int notify_[2] = {-1, -1};
   std::mutex mutex_;

@@ -6,7 +6,8 @@ stopped. Each step: report_step, mark_progress, snapshot of the model and the op
 momentum: its state matters). On a start it restores what the agents hold.
 Faults, on the first attempt only: --kill_rank R --kill_step S SIGKILLs rank R after step S;
 --stall_rank R --stall_step S --stall_kind loop|read makes rank R spin in stuck_in_a_loop() or
-block in stuck_in_a_read() just before step S's backward.
+block in stuck_in_a_read() just before step S's backward. --slow_rank R --slow_ms MS: rank R's
+every forward takes MS longer (a straggler).
 --metrics_file F: rank 0 appends {"type": "train", "step", "unix_time"} per step and a "resume" line.
 Rank 0 prints one JSON line at the end: {"steps", "resumed_step", "resumed_from", "attempt",
 "params_sha256", "step_ms_median" (this attempt's steps, snapshot included), "fsdprun": whether the
@@ -59,6 +60,8 @@ def main() -> int:
     parser.add_argument("--metrics_file", default="")
     parser.add_argument("--step_sleep", type=float, default=0.0, help="seconds of sleep per step")
     parser.add_argument("--replicated", action="store_true", help="restore(replicated=True)")
+    parser.add_argument("--slow_rank", type=int, default=-1, help="this rank's forward takes --slow_ms longer")
+    parser.add_argument("--slow_ms", type=float, default=0.0)
     args = parser.parse_args()
     standalone = "RANK" not in os.environ
     if standalone:  # python3 ddp_snapshot.py: one process, a world of one
@@ -96,6 +99,8 @@ def main() -> int:
             with fsdprun.data_wait():  # as a slow data loader would
                 time.sleep(args.step_sleep)
         loss = nn.functional.cross_entropy(model(x), y)
+        if rank == args.slow_rank:
+            time.sleep(args.slow_ms / 1000)  # a slower device: its compute, the others wait in DDP
         if attempt == 0 and rank == args.stall_rank and step + 1 == args.stall_step:
             stuck_in_a_loop() if args.stall_kind == "loop" else stuck_in_a_read()
         loss.backward()

@@ -194,6 +194,34 @@ TEST_F(PythonJobs, MetricsShowTheScriptsStepsSamplesLossAndDataWait) {
   job.waitFor(60s);
 }
 
+// Item 4 of issue 42: a rank whose forward is 40 ms slower is named by rank 0's agent, from the
+// step split the module writes (DDP's tail wait counted as waiting), in libfsdp's words, and its
+// /metrics straggler score says so.
+TEST_F(PythonJobs, ASlowRankIsNamedAsAStragglerByTheAgents) {
+  fsdp::testing::TempDir dir;
+  const int port = fsdp::testing::freeLoopbackPort();
+  auto argv = underFsdprun({"--standalone", "--nproc_per_node", "3", "--metrics_port", std::to_string(port),
+                            "--metrics_addr", "127.0.0.1"},
+                           {"--slow_rank", "1", "--slow_ms", "40", "--no_snapshot"}, 60);
+  auto env = fsdp::currentEnvironment();
+  env.insert(env.end(), kPythonEnv.begin(), kPythonEnv.end());
+  env.push_back("FSDPRUN_STRAGGLER_EVERY=5");
+  fsdp::SpawnOptions spawn{.argv = argv, .env = env};
+  spawn.stdoutPath = dir.path() + "/out";
+  spawn.stderrPath = dir.path() + "/err";
+  auto job = fsdp::ChildProcess::spawn(spawn);
+  const auto page = fsdp::testing::scrapeUntil(port, job, 120s, [](const std::string& p) {
+    return fsdp::testing::metricValue(p, "fsdprun_worker_straggler_score", {"rank=\"1\""}) >= 1.5;
+  });
+  EXPECT_GE(fsdp::testing::metricValue(page, "fsdprun_worker_straggler_score", {"rank=\"1\""}), 1.5) << page;
+  const auto status = job.waitFor(120s);
+  ASSERT_TRUE(status.has_value());
+  const std::string err = fsdp::testing::readFile(dir.path() + "/err");
+  EXPECT_EQ(WEXITSTATUS(*status), 0) << err;
+  EXPECT_NE(err.find("straggler: rank 1 ("), std::string::npos) << err;
+  EXPECT_NE(err.find("x the median compute"), std::string::npos) << err;
+}
+
 // Must-show item 5 of issue 42: misuse raises one exception naming the fix, and the snapshot
 // taken before is what restore() brings back (bad_use.py says which check failed).
 TEST_F(PythonJobs, MisuseRaisesOneClearErrorAndKeepsTheEarlierSnapshot) {

@@ -28,45 +28,18 @@
 #include <thread>
 #include <vector>
 
+#include "fsdp/common/straggler_verdict.hpp"
 #include "fsdp/rendezvous/store_client.hpp"
 
 namespace fsdp::worker::detail {
 
-struct StragglerOptions {
-  int every = 20;
-  double factor = 1.5;
-  double minGapMs = 1.0;
-};
-
-// From FSDPRUN_STRAGGLER_EVERY / FSDPRUN_STRAGGLER_FACTOR; ConfigError naming the variable, the
-// value and what was expected.
-StragglerOptions stragglerOptionsFromEnv();
-
-// One rank's means over a window of steps.
-struct WindowFigures {
-  double computeMs = 0, waitMs = 0, dataMs = 0;
-  std::string node;
-};
-
-struct StragglerEvent {
-  bool recovered = false;  // false: named as a straggler in this report
-  int rank = 0;
-  std::string node;
-  double factor = 0;       // compute / the median of the other ranks' (medianComputeMs)
-  double computeMs = 0, medianComputeMs = 0, waitMs = 0, dataMs = 0;
-  std::int64_t firstStep = 0, lastStep = 0;
-  std::string line() const;  // "straggler: rank 5 (node3) 1.9x the median compute (...)"
-};
-
-// What rank 0 concludes from one window of every rank's figures, given the ranks named before
-// (updated). Pure: the unit tests feed it generated windows.
-struct WindowVerdict {
-  double medianComputeMs = 0;
-  std::vector<double> factors;        // per rank
-  std::vector<StragglerEvent> events;
-};
-WindowVerdict judgeWindow(const std::vector<WindowFigures>& ranks, const StragglerOptions& options,
-                          std::map<int, bool>& named, std::int64_t firstStep, std::int64_t lastStep);
+// The verdict's types and rules, shared with the agent (which judges PyTorch scripts' ranks).
+using StragglerOptions = stragglers::Options;
+using WindowFigures = stragglers::WindowFigures;
+using StragglerEvent = stragglers::Event;
+using WindowVerdict = stragglers::WindowVerdict;
+using stragglers::judgeWindow;
+inline StragglerOptions stragglerOptionsFromEnv() { return stragglers::optionsFromEnv(); }
 
 class StragglerMonitor {
  public:
