@@ -279,6 +279,8 @@ void fsdpTrain(const Args& args) {
   };
   std::vector<std::string> shardings;
   for (std::string sharding; std::getline(strategies, sharding, ',');) shardings.push_back(sharding);
+  // --numa exclusive|node|socket|core-complex: FULL_SHARD again with fsdprun --numa_binding.
+  const std::string numa = args.str("numa", "");
   for (int rep = 0; rep < reps; ++rep) {
     for (const auto& sharding : shardings) {
       std::vector<std::string> argv = {bin + "/fsdprun", "--standalone", "--nproc_per_node", "2"};
@@ -287,6 +289,12 @@ void fsdpTrain(const Args& args) {
       // "fsdp": what fsdp::init() picks (shared memory between the ranks of this node).
       report("fsdp", sharding, 2, 1, rep,
              runAll({{.argv = argv, .env = environmentWith({"OMP_NUM_THREADS=1"})}}, limit));
+      if (sharding == "FULL_SHARD" && !numa.empty()) {
+        auto bound = argv;
+        bound.insert(bound.begin() + 1, {"--numa_binding", numa});
+        report("fsdp_numa_" + numa, sharding, 2, 1, rep,
+               runAll({{.argv = bound, .env = environmentWith({"OMP_NUM_THREADS=1"})}}, limit));
+      }
       if (sharding == "FULL_SHARD") {
         report("fsdp_gloo", sharding, 2, 1, rep,
                runAll({{.argv = argv, .env = environmentWith({"OMP_NUM_THREADS=1", "FSDPRUN_BACKEND=gloo"})}}, limit));
@@ -311,6 +319,10 @@ void fsdpTrain(const Args& args) {
   }
   compare("FULL_SHARD 2 ranks x 1 thread / one LibTorch process x 2 threads", "ratio", "fsdp/FULL_SHARD",
           "libtorch_single/-");
+  if (!numa.empty()) {
+    compare("FULL_SHARD with --numa_binding " + numa + " / without", "ratio", "fsdp_numa_" + numa + "/FULL_SHARD",
+            "fsdp/FULL_SHARD");
+  }
   if (!havePython()) {
     emit({{"bench", "fsdp_train"}, {"impl", "pytorch"}, {"error", "unavailable: needs python3-torch"}});
     return;

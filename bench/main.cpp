@@ -134,8 +134,9 @@ int main(int argc, char** argv) {
        "every step and past the first 2 (steady), peak RSS; --reps runs of each, alternating, and "
        "the medians of the per-rep ratios (--strategies FULL_SHARD,SHARD_GRAD_OP,NO_SHARD "
        "--batch_size 256 --reps 1); gpt: 12 layers d=768, FULL_SHARD 2 ranks vs one process, "
-       "per-rank peak RSS ratio",
-       {"model", "steps", "batch_size", "strategies", "reps"},
+       "per-rank peak RSS ratio; --numa exclusive|node|socket|core-complex also runs FULL_SHARD under "
+       "fsdprun --numa_binding and compares it with the unbound run",
+       {"model", "steps", "batch_size", "strategies", "reps", "numa"},
        fsdpTrain},
       {"accuracy",
        "mnist test accuracy after --epochs (1) of the recipe (Adam 1e-3, batch 256, dropout): FSDP "

@@ -119,6 +119,7 @@ TEST(WorkerEnvironment, SetsTheTorchrunVariablesAndKeepsAUserOmpSetting) {
   LaunchOptions o;
   o.role = "trainer";
   o.maxRestarts = 3;
+  o.nprocPerNode = 2;  // several workers share the node: OMP_NUM_THREADS=1, as torchrun
   const WorkerIdentity id{.localRank = 1, .rank = 1, .worldSize = 2, .localWorldSize = 2, .restartCount = 2};
   const WorkerContact contact{.masterPort = 5678, .storePort = 1234, .errorFile = "/x/error.json"};
   const auto env = workerEnvironment(o, id, contact, {"PATH=/bin", "RANK=9", "FSDPRUN_TOKEN=s"});
@@ -136,6 +137,11 @@ TEST(WorkerEnvironment, SetsTheTorchrunVariablesAndKeepsAUserOmpSetting) {
   }
   EXPECT_FALSE(has("RANK=9"));
   EXPECT_FALSE(has("FSDPRUN_TOKEN=s"));
+  LaunchOptions single = o;
+  single.nprocPerNode = 1;  // one worker keeps LibTorch's default
+  const auto alone = workerEnvironment(single, id, contact, {"PATH=/bin"});
+  EXPECT_EQ(std::count_if(alone.begin(), alone.end(), [](const std::string& e) { return e.starts_with("OMP_NUM_THREADS="); }),
+            0);
   const auto userOmp = workerEnvironment(o, id, contact, {"OMP_NUM_THREADS=4"});
   EXPECT_NE(std::find(userOmp.begin(), userOmp.end(), "OMP_NUM_THREADS=4"), userOmp.end());
   EXPECT_EQ(std::find(userOmp.begin(), userOmp.end(), "OMP_NUM_THREADS=1"), userOmp.end());
