@@ -194,7 +194,7 @@ class _Snapshots:
         self.held: set = set()  # this rank's steps the agent said it still holds
         self.lock = threading.Lock()  # the buffers' copying flags (the copy thread clears them)
         # The piece's write and its hand-over to the agent, off the training thread (snapshot()'s
-        # background=True): one at a time; the next snapshot, wait(), restore() and every
+        # background=True, opted in): one at a time; the next snapshot, wait(), restore() and every
         # optimizer's step() wait for it first (the step is what changes a state in place).
         self.writer: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self.pending: Optional[concurrent.futures.Future] = None
@@ -406,19 +406,22 @@ def _fill(layout: Tuple[bytes, List[Dict[str, Any]], int, int], tensors: List[An
     return buffer, total
 
 
-def snapshot(step: int, state: Any, background: bool = True) -> None:
+def snapshot(step: int, state: Any, background: bool = False) -> None:
     """Hands ``state`` (after ``step``) to this node's agent, which holds it across this process's
     death; a background thread copies it to the next node's agent. Every rank calls it at the
     same steps (its first call is collective: the ranks learn where the next node's agent
     listens). Active under fsdprun with ``--max_restarts`` > 0; elsewhere it does nothing.
 
-    ``background=True`` (the default): the tensors' bytes are copied into the piece and handed to
+    ``background=True``: the tensors' bytes are copied into the piece and handed to
     the agent on a thread of this module while the script goes on; every optimizer's ``step()``,
     the next ``snapshot()``, ``wait()`` and ``restore()`` wait for it first, since a state's
     tensors change in place in ``step()``. A tensor changed in place anywhere else before the
     copy ended (an EMA, a buffer updated outside ``step()``) is caught by its version counter: that
     step's piece is dropped (the previous one stays), one log line says so, and later snapshots
-    are written in the foreground. ``background=False`` writes before returning.
+    are written in the foreground. The price: the step being written when a worker is killed is
+    lost (one more step redone), and the copy to the next node starts a step later (a lost node
+    may redo two). ``background=False`` (the default) writes before returning: at most one step
+    redone either way.
 
     Raises TypeError for a value a snapshot cannot hold (naming where it is in ``state``),
     RuntimeError before ``init_process_group`` and for a state larger than the agent's snapshot

@@ -23,7 +23,7 @@ def expect(kind, words, call):
 
 
 def background_write():
-    """The background write (snapshot()'s default) with a copy slowed to 300 ms: an optimizer's
+    """The background write (snapshot(background=True)) with a copy slowed to 300 ms: an optimizer's
     step() waits for it, so the piece holds the values from before the step; a tensor changed in
     place outside step() while it is copied drops that step's piece (the earlier one stays) and
     turns later snapshots to the foreground."""
@@ -33,13 +33,13 @@ def background_write():
     p = torch.nn.Parameter(torch.arange(6.0))
     opt = torch.optim.SGD([p], lr=1.0)
     p.grad = torch.ones(6)
-    fsdprun.snapshot(6, {"p": p.detach()})
+    fsdprun.snapshot(6, {"p": p.detach()}, background=True)
     opt.step()  # must wait for the copy: the piece keeps 0..5, not -1..4
     restored = fsdprun.restore()
     if restored is None or restored[0] != 6 or not torch.equal(restored[1]["p"], torch.arange(6.0)):
         return f"the optimizer's step did not wait for the background write: restore() gave {restored}"
     w = torch.zeros(8)
-    fsdprun.snapshot(7, {"w": w})
+    fsdprun.snapshot(7, {"w": w}, background=True)
     w.add_(1)  # in place, outside any step(), while the copy sleeps
     fsdprun.wait()
     restored = fsdprun.restore()
@@ -47,7 +47,7 @@ def background_write():
         return f"a state changed during its background write was kept: restore() gave {restored}"
     if not _snapshot._snaps.torn_once:
         return "the torn write did not turn later snapshots to the foreground"
-    fsdprun.snapshot(8, {"w": w})  # the foreground now: no delay applies
+    fsdprun.snapshot(8, {"w": w}, background=True)  # the foreground now: no delay applies
     w.add_(1)
     restored = fsdprun.restore()
     del os.environ["FSDPRUN_TEST_SNAPSHOT_DELAY_MS"]

@@ -57,7 +57,7 @@ def main() -> int:
     parser.add_argument("--stall_step", type=int, default=-1)
     parser.add_argument("--stall_kind", default="loop")
     parser.add_argument("--no_snapshot", action="store_true")
-    parser.add_argument("--foreground_snapshot", action="store_true", help="snapshot(background=False)")
+    parser.add_argument("--background_snapshot", action="store_true", help="snapshot(background=True)")
     parser.add_argument("--metrics_file", default="")
     parser.add_argument("--step_sleep", type=float, default=0.0, help="seconds of sleep per step")
     parser.add_argument("--replicated", action="store_true", help="restore(replicated=True)")
@@ -112,7 +112,7 @@ def main() -> int:
         metrics(args, rank, {"type": "train", "step": step})
         if not args.no_snapshot:
             fsdprun.snapshot(step, {"model": model.module.state_dict(), "optimizer": optimizer.state_dict()},
-                             background=not args.foreground_snapshot)
+                             background=args.background_snapshot)
         step_ms.append(1000 * (time.perf_counter() - began))
         if attempt == 0 and rank == args.kill_rank and step == args.kill_step:
             fsdprun.wait()  # the peer copy of this step is out
