@@ -3,6 +3,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -105,20 +106,95 @@ Topology readTopology(const std::string& root) {
   t.l3Groups = groupBy(t.allowed, [&](int c) {
     return readLine(cpuDir / ("cpu" + std::to_string(c)) / "cache/index3/shared_cpu_list");
   });
+  // The PCI devices the nvidia driver holds, named by bus address: sorted, the PCI bus order.
+  std::vector<std::string> gpus;
+  for (const auto& entry : fs::directory_iterator(fs::path(root) / "bus/pci/drivers/nvidia", ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.find(':') != std::string::npos) gpus.push_back(name);
+  }
+  std::sort(gpus.begin(), gpus.end());
+  for (const auto& g : gpus) {
+    const auto node = parseInt(readLine(fs::path(root) / "bus/pci/drivers/nvidia" / g / "numa_node"));
+    t.gpuNodes.push_back(node && *node >= 0 ? static_cast<int>(*node) : -1);
+  }
   return t;
 }
 
-std::vector<Binding> planBindings(const std::string& mode, int localWorkers, const Topology& topology,
-                                  std::string& note) {
-  std::vector<Binding> out(static_cast<std::size_t>(std::max(localWorkers, 0)));
-  const auto& allowed = topology.allowed;
-  if (allowed.empty() || localWorkers <= 0) {
-    note = "no CPUs to bind to could be read (sched_getaffinity): workers are not bound";
-    return out;
+std::vector<int> gpusOfWorkers(int localWorkers, int gpus, const std::optional<std::string>& visible) {
+  if (gpus <= 0) return {};
+  std::vector<int> listed;
+  if (visible) {
+    std::size_t start = 0;
+    while (start <= visible->size()) {
+      const auto end = std::min(visible->find(',', start), visible->size());
+      const auto index = parseInt(visible->substr(start, end - start));
+      if (!index) return {};  // UUIDs or MIG names: not placed by GPU
+      listed.push_back(static_cast<int>(*index));
+      start = end + 1;
+    }
   }
+  std::vector<int> out;
+  for (int k = 0; k < localWorkers; ++k) {
+    const int gpu = listed.empty() ? k : (k < static_cast<int>(listed.size()) ? listed[static_cast<std::size_t>(k)] : -1);
+    out.push_back(gpu >= 0 && gpu < gpus ? gpu : -1);
+  }
+  return out;
+}
+
+namespace {
+
+// Near each worker's GPU: its NUMA node's CPUs, split or grouped as `mode` says among the workers
+// whose GPUs share that node. False when some worker's GPU node is unknown.
+bool planNearGpus(const std::string& mode, const Topology& t, const std::vector<int>& gpuOfWorker,
+                  std::vector<Binding>& out) {
+  std::vector<std::size_t> nodeOf;  // index into t.numaNodes, per worker
+  for (const int gpu : gpuOfWorker) {
+    if (gpu < 0 || gpu >= static_cast<int>(t.gpuNodes.size())) return false;
+    int node = t.gpuNodes[static_cast<std::size_t>(gpu)];
+    if (node < 0 && t.numaNodeIds.size() == 1) node = t.numaNodeIds.front();  // -1: no NUMA to speak of
+    const auto at = std::find(t.numaNodeIds.begin(), t.numaNodeIds.end(), node);
+    if (at == t.numaNodeIds.end()) return false;
+    nodeOf.push_back(static_cast<std::size_t>(at - t.numaNodeIds.begin()));
+  }
+  for (std::size_t k = 0; k < out.size(); ++k) {
+    const auto& cpus = t.numaNodes[nodeOf[k]];
+    // This worker's place among those on the same node.
+    const auto sharing = static_cast<std::size_t>(std::count(nodeOf.begin(), nodeOf.end(), nodeOf[k]));
+    const auto place = static_cast<std::size_t>(std::count(nodeOf.begin(), nodeOf.begin() + static_cast<std::ptrdiff_t>(k), nodeOf[k]));
+    if (mode == "exclusive") {
+      const auto n = cpus.size();
+      out[k].cpus = n < sharing ? std::vector<int>{cpus[place % n]}
+                                : std::vector<int>(cpus.begin() + static_cast<std::ptrdiff_t>(place * n / sharing),
+                                                   cpus.begin() + static_cast<std::ptrdiff_t>((place + 1) * n / sharing));
+    } else if (mode == "socket") {
+      out[k].cpus = cpus;
+      for (const auto& s : t.sockets) {
+        if (std::binary_search(s.begin(), s.end(), cpus.front())) out[k].cpus = s;
+      }
+    } else if (mode == "core-complex") {
+      std::vector<std::vector<int>> within;
+      for (const auto& g : t.l3Groups) {
+        if (!intersect(g, cpus).empty()) within.push_back(intersect(g, cpus));
+      }
+      out[k].cpus = within.empty() ? cpus : within[place % within.size()];
+    } else {
+      out[k].cpus = cpus;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+namespace {
+
+// By local rank: an even split of the allowed CPUs (exclusive), or the nodes, sockets or L3
+// groups round robin. False when the kernel lists none of what `mode` needs.
+bool planByLocalRank(const std::string& mode, const Topology& topology, std::string& note, std::vector<Binding>& out) {
+  const auto& allowed = topology.allowed;
   if (mode == "exclusive") {
     const auto n = allowed.size();
-    const auto w = static_cast<std::size_t>(localWorkers);
+    const auto w = out.size();
     if (n < w) {
       note = std::to_string(n) + " CPUs for " + std::to_string(w) +
              " workers: exclusive binding gives each worker one CPU, some shared";
@@ -131,24 +207,42 @@ std::vector<Binding> planBindings(const std::string& mode, int localWorkers, con
                            allowed.begin() + static_cast<std::ptrdiff_t>((i + 1) * n / w));
       }
     }
+    return true;
+  }
+  const std::vector<std::vector<int>>* groups = nullptr;
+  std::string what;
+  if (mode == "node") {
+    groups = &topology.numaNodes;
+    what = "NUMA nodes";
+  } else if (mode == "socket") {
+    groups = &topology.sockets;
+    what = "sockets";
   } else {
-    const std::vector<std::vector<int>>* groups = nullptr;
-    std::string what;
-    if (mode == "node") {
-      groups = &topology.numaNodes;
-      what = "NUMA nodes";
-    } else if (mode == "socket") {
-      groups = &topology.sockets;
-      what = "sockets";
-    } else {
-      groups = topology.l3Groups.empty() ? &topology.sockets : &topology.l3Groups;
-      what = topology.l3Groups.empty() ? "L3 caches (none listed: sockets instead)" : "L3 caches";
-    }
-    if (groups->empty()) {
-      note = "the kernel lists no " + what + " (sysfs): workers are not bound";
-      return out;
-    }
-    for (std::size_t i = 0; i < out.size(); ++i) out[i].cpus = (*groups)[i % groups->size()];
+    groups = topology.l3Groups.empty() ? &topology.sockets : &topology.l3Groups;
+    what = topology.l3Groups.empty() ? "L3 caches (none listed: sockets instead)" : "L3 caches";
+  }
+  if (groups->empty()) {
+    note = "the kernel lists no " + what + " (sysfs): workers are not bound";
+    return false;
+  }
+  for (std::size_t i = 0; i < out.size(); ++i) out[i].cpus = (*groups)[i % groups->size()];
+  return true;
+}
+
+}  // namespace
+
+std::vector<Binding> planBindings(const std::string& mode, int localWorkers, const Topology& topology,
+                                  std::string& note, const std::vector<int>& gpuOfWorker) {
+  std::vector<Binding> out(static_cast<std::size_t>(std::max(localWorkers, 0)));
+  if (topology.allowed.empty() || localWorkers <= 0) {
+    note = "no CPUs to bind to could be read (sched_getaffinity): workers are not bound";
+    return out;
+  }
+  const bool nearGpus =
+      gpuOfWorker.size() == out.size() && planNearGpus(mode, topology, gpuOfWorker, out);
+  if (!nearGpus) {
+    if (!gpuOfWorker.empty()) note = "a GPU's NUMA node is unknown (sysfs): workers placed by local rank";
+    if (!planByLocalRank(mode, topology, note, out)) return out;
   }
   // Memory follows the CPUs where there is more than one node to choose from.
   if (topology.numaNodes.size() > 1) {
@@ -164,7 +258,11 @@ std::vector<Binding> planBindings(const std::string& mode, int localWorkers, con
 std::vector<Binding> numaBindings(const LaunchOptions& options) {
   if (options.numaBinding.empty()) return {};
   std::string note;
-  auto plan = planBindings(options.numaBinding, options.nprocPerNode, readTopology(), note);
+  const auto topology = readTopology();
+  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+  const auto gpus = gpusOfWorkers(options.nprocPerNode, static_cast<int>(topology.gpuNodes.size()),
+                                  visible ? std::optional<std::string>(visible) : std::nullopt);
+  auto plan = planBindings(options.numaBinding, options.nprocPerNode, topology, note, gpus);
   if (!note.empty()) log::warn("--numa_binding {}: {}", options.numaBinding, note);
   for (std::size_t i = 0; i < plan.size(); ++i) {
     if (plan[i].cpus.empty()) continue;

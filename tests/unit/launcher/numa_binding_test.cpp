@@ -101,6 +101,42 @@ TEST(NumaBinding, ThisMachinesTopologyGivesEveryWorkerCpusItMayUse) {
   }
 }
 
+// On a GPU node each worker goes near its GPU: GPUs 0, 1 on node 0 and 2, 3 on node 1.
+TEST(NumaBinding, OnAGpuNodeEachWorkerIsPlacedNearItsGpu) {
+  auto t = twoSockets();
+  t.gpuNodes = {0, 0, 1, 1};
+  std::string note;
+  const auto exclusive = planBindings("exclusive", 4, t, note, {0, 1, 2, 3});
+  EXPECT_EQ(exclusive[0].cpus, range(0, 4));
+  EXPECT_EQ(exclusive[1].cpus, range(4, 8));
+  EXPECT_EQ(exclusive[2].cpus, range(8, 12));
+  EXPECT_EQ(exclusive[3].memNodes, std::vector<int>{1});
+  EXPECT_TRUE(note.empty()) << note;
+  // CUDA_VISIBLE_DEVICES=2,3: both workers' GPUs are on node 1.
+  const auto gpus = fsdp::launcher::detail::gpusOfWorkers(2, 4, std::string("2,3"));
+  EXPECT_EQ(gpus, (std::vector<int>{2, 3}));
+  const auto node = planBindings("node", 2, t, note, gpus);
+  EXPECT_EQ(node[0].cpus, range(8, 16));
+  EXPECT_EQ(node[1].cpus, range(8, 16));
+  const auto complexes = planBindings("core-complex", 2, t, note, gpus);
+  EXPECT_EQ(complexes[0].cpus, range(8, 12));
+  EXPECT_EQ(complexes[1].cpus, range(12, 16));
+  EXPECT_EQ(planBindings("socket", 2, t, note, gpus)[0].cpus, range(8, 16));
+  // GPUs named by UUID, or none: by local rank; a GPU's node unknown on a 2-node machine: said.
+  EXPECT_TRUE(fsdp::launcher::detail::gpusOfWorkers(2, 4, std::string("GPU-8f3a")).empty());
+  EXPECT_TRUE(fsdp::launcher::detail::gpusOfWorkers(2, 0, std::nullopt).empty());
+  t.gpuNodes = {-1, -1, -1, -1};
+  note.clear();
+  EXPECT_EQ(planBindings("node", 2, t, note, {0, 1})[1].cpus, range(8, 16));  // by local rank
+  EXPECT_NE(note.find("NUMA node is unknown"), std::string::npos) << note;
+  // One NUMA node (sysfs says -1): the GPUs are on it.
+  t.numaNodes = {range(0, 16)};
+  t.numaNodeIds = {0};
+  note.clear();
+  EXPECT_EQ(planBindings("exclusive", 2, t, note, {0, 1})[1].cpus, range(8, 16));
+  EXPECT_TRUE(note.empty()) << note;
+}
+
 TEST(NumaBinding, CpuListsReadAsTheKernelWritesThem) {
   EXPECT_EQ(cpuListText({0, 1, 2, 3, 8}), "0-3,8");
   EXPECT_EQ(cpuListText({5}), "5");
