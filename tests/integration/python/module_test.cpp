@@ -49,6 +49,19 @@ std::vector<std::string> underFsdprun(const std::vector<std::string>& launcher, 
 
 const std::vector<std::string> kPythonEnv = {std::string("PYTHON_EXEC=") + kSystemPython};
 
+// A job left running, its stdout and stderr in dir/out and dir/err: for tests that read /metrics
+// while it trains.
+fsdp::ChildProcess spawnJob(const std::vector<std::string>& argv, const fsdp::testing::TempDir& dir,
+                            const std::vector<std::string>& extraEnv = {}) {
+  auto env = fsdp::currentEnvironment();
+  env.insert(env.end(), kPythonEnv.begin(), kPythonEnv.end());
+  env.insert(env.end(), extraEnv.begin(), extraEnv.end());
+  fsdp::SpawnOptions spawn{.argv = argv, .env = env};
+  spawn.stdoutPath = dir.path() + "/out";
+  spawn.stderrPath = dir.path() + "/err";
+  return fsdp::ChildProcess::spawn(spawn);
+}
+
 // The Python side writes marks, the step split and a collective record into a ring the C++ side
 // made; the C++ reader reads back exactly what was written. (The layout is defined once, in
 // flight_ring.hpp; python/fsdprun/_ring.py mirrors it.)
@@ -175,12 +188,7 @@ TEST_F(PythonJobs, MetricsShowTheScriptsStepsSamplesLossAndDataWait) {
   auto argv = underFsdprun({"--standalone", "--nproc_per_node", "2", "--metrics_port", std::to_string(port),
                             "--metrics_addr", "127.0.0.1"},
                            {"--step_sleep", "0.05"}, 200);  // the page is read while it trains
-  auto env = fsdp::currentEnvironment();
-  env.insert(env.end(), kPythonEnv.begin(), kPythonEnv.end());
-  fsdp::SpawnOptions spawn{.argv = argv, .env = env};
-  spawn.stdoutPath = dir.path() + "/out";
-  spawn.stderrPath = dir.path() + "/err";
-  auto job = fsdp::ChildProcess::spawn(spawn);
+  auto job = spawnJob(argv, dir);
   const auto page = fsdp::testing::scrapeUntil(port, job, 120s, [](const std::string& p) {
     return fsdp::testing::metricValue(p, "fsdprun_worker_steps_total", {"rank=\"1\""}) >= 10;
   });
@@ -203,13 +211,7 @@ TEST_F(PythonJobs, ASlowRankIsNamedAsAStragglerByTheAgents) {
   auto argv = underFsdprun({"--standalone", "--nproc_per_node", "3", "--metrics_port", std::to_string(port),
                             "--metrics_addr", "127.0.0.1"},
                            {"--slow_rank", "1", "--slow_ms", "40", "--no_snapshot"}, 60);
-  auto env = fsdp::currentEnvironment();
-  env.insert(env.end(), kPythonEnv.begin(), kPythonEnv.end());
-  env.push_back("FSDPRUN_STRAGGLER_EVERY=5");
-  fsdp::SpawnOptions spawn{.argv = argv, .env = env};
-  spawn.stdoutPath = dir.path() + "/out";
-  spawn.stderrPath = dir.path() + "/err";
-  auto job = fsdp::ChildProcess::spawn(spawn);
+  auto job = spawnJob(argv, dir, {"FSDPRUN_STRAGGLER_EVERY=5"});
   const auto page = fsdp::testing::scrapeUntil(port, job, 120s, [](const std::string& p) {
     return fsdp::testing::metricValue(p, "fsdprun_worker_straggler_score", {"rank=\"1\""}) >= 1.5;
   });
