@@ -65,7 +65,7 @@ int main(int argc, char** argv) {
       if (const auto job = fsdp::slurm::readSlurmJob(env)) fsdp::slurm::resolveHeadNode(*job);
     }
     warnAboutReferenceBlas();
-    if (options.nprocPerNode > 1 && !env("OMP_NUM_THREADS")) {
+    if (fsdp::launcher::setsOneOmpThread(options, env("OMP_NUM_THREADS").has_value())) {
       // torchrun's own warning, in its words, once per agent.
       fsdp::log::warn(
           "Setting OMP_NUM_THREADS environment variable for each process to be 1 in default, to avoid "

@@ -11,6 +11,7 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <random>
 
 #include "fsdp/common/error.hpp"
@@ -77,6 +78,14 @@ std::string utcNow() {
   char text[32] = {};
   std::strftime(text, sizeof(text), "%Y-%m-%dT%H:%M:%SZ", &tm);
   return text;
+}
+
+nlohmann::json torchrunError(const std::string& message, nlohmann::json extraInfo, long long now,
+                             std::optional<int> errorCode) {
+  extraInfo["timestamp"] = std::to_string(now);
+  nlohmann::json inner{{"message", message}, {"extraInfo", std::move(extraInfo)}};
+  if (errorCode) inner["errorCode"] = *errorCode;
+  return nlohmann::json{{"message", std::move(inner)}};
 }
 
 std::string newAgentId() {

@@ -6,6 +6,8 @@
 
 #include <signal.h>
 
+#include <nlohmann/json_fwd.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -54,5 +56,10 @@ std::string newAgentId();
 
 // The current wall-clock time, ISO 8601 (UTC).
 std::string utcNow();
+
+// An error file in torchrun's shape (what its @record writes, what its launcher copies):
+// {"message": {"message", "extraInfo": {<extraInfo>..., "timestamp": "<now>"}, "errorCode"?}}.
+nlohmann::json torchrunError(const std::string& message, nlohmann::json extraInfo, long long now,
+                             std::optional<int> errorCode = std::nullopt);
 
 }  // namespace fsdp::launcher::detail

@@ -8,6 +8,7 @@
 #include <sstream>
 #include <string>
 
+#include "agent_support.hpp"
 #include "fsdp/common/error.hpp"
 #include "fsdp/common/process.hpp"
 
@@ -117,10 +118,7 @@ std::string torchrunErrorJson(const Failure& f, long long now) {
   const int code = WIFSIGNALED(f.waitStatus) ? -WTERMSIG(f.waitStatus)
                    : WIFEXITED(f.waitStatus)  ? WEXITSTATUS(f.waitStatus)
                                               : 1;
-  return nlohmann::json{{"message",
-                         {{"message", message},
-                          {"extraInfo", {{"py_callstack", stack}, {"timestamp", std::to_string(now)}}},
-                          {"errorCode", code}}}}
+  return detail::torchrunError(message, {{"py_callstack", stack}}, now, code)
       .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 

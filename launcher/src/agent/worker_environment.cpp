@@ -30,6 +30,10 @@ std::string pythonModuleDir() {
   return "";
 }
 
+bool setsOneOmpThread(const LaunchOptions& options, bool userSetOmp) {
+  return !userSetOmp && options.nprocPerNode > 1;
+}
+
 std::vector<std::string> workerEnvironment(const LaunchOptions& options, const WorkerIdentity& id,
                                            const WorkerContact& contact,
                                            std::vector<std::string> base) {
@@ -85,7 +89,7 @@ std::vector<std::string> workerEnvironment(const LaunchOptions& options, const W
   }
   // As torchrun: one OpenMP thread per worker where several share the node (they would otherwise
   // each take every core); a single worker keeps LibTorch's default. A user's setting wins.
-  if (!haveOmp && options.nprocPerNode > 1) env.push_back("OMP_NUM_THREADS=1");
+  if (setsOneOmpThread(options, haveOmp)) env.push_back("OMP_NUM_THREADS=1");
   // glibc's malloc asks for transparent huge pages on the memory it maps (glibc 2.35+; older
   // ones and other allocators ignore it). A training step's large tensors then fault in 2 MB at a
   // time instead of 4 KB: fewer faults every step, a faster restart (a worker's start-up and a

@@ -53,10 +53,8 @@ Failure hangFailure(const HangReport& report, int restartCount, const WorkerGrou
     if (w.rank != report.firstRank) continue;
     f.localRank = w.localRank;
     // Where torchrun users look: the lagging rank's error file, in its format.
-    const nlohmann::json error{
-        {"message", {{"message", report.text},
-                     {"extraInfo", {{"hang", nlohmann::json::parse(report.viewsJson, nullptr, false)},
-                                    {"timestamp", std::to_string(::time(nullptr))}}}}}};
+    const auto error = torchrunError(report.text, {{"hang", nlohmann::json::parse(report.viewsJson, nullptr, false)}},
+                                     static_cast<long long>(::time(nullptr)));
     const std::string path = attemptDir + "/" + std::to_string(w.localRank) + "/error.json";
     std::ofstream out(path);
     out << error.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";

@@ -11,10 +11,7 @@ namespace fsdp::launcher::detail {
 PythonStragglers::PythonStragglers(stragglers::Options options, int round, int worldSize, std::string host,
                                    std::vector<WatchedWorker> workers)
     : options_(options), round_(round), world_(worldSize), host_(std::move(host)) {
-  for (auto& w : workers) {
-    if (w.rank == 0) judges_ = true;
-    locals_.push_back(Local{.worker = std::move(w)});
-  }
+  for (auto& w : workers) locals_.push_back(Local{.worker = std::move(w)});
 }
 
 std::string PythonStragglers::key(std::int64_t window, const std::string& what) const {
@@ -23,16 +20,20 @@ std::string PythonStragglers::key(std::int64_t window, const std::string& what) 
 
 void PythonStragglers::poll(rendezvous::StoreClient& store) {
   if (options_.every <= 0) return;
+  bool anyPython = false;
+  bool rankZeroPython = false;
   for (auto& l : locals_) {
     if (!l.python) {
       // Judged here only once the module is known to run in it (libfsdp judges its own ranks).
       l.python = l.worker.pystacks && l.worker.ring && pythonStacksRegistered(*l.worker.pystacks, l.worker.pid);
       if (!l.python) continue;
     }
+    anyPython = true;
+    rankZeroPython = rankZeroPython || l.worker.rank == 0;
     publish(store, l);
   }
-  if (judges_) judge(store);
-  applyFactors(store);
+  if (rankZeroPython) judge(store);
+  if (anyPython) applyFactors(store);
 }
 
 void PythonStragglers::publish(rendezvous::StoreClient& store, Local& l) {
@@ -72,7 +73,6 @@ void PythonStragglers::judge(rendezvous::StoreClient& store) {
     if (rank == 0) first = a, last = b;
   }
   const auto verdict = stragglers::judgeWindow(figures, options_, named_, first, last);
-  ++reports_;
   for (const auto& e : verdict.events) log::warn("{}", e.line());
   // One key, overwritten: the newest window's factors, for every node's /metrics.
   std::ostringstream factors;

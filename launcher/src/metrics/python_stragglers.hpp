@@ -29,10 +29,10 @@ class PythonStragglers {
   PythonStragglers(stragglers::Options options, int round, int worldSize, std::string host,
                    std::vector<WatchedWorker> workers);
   // Publishes the windows this node's Python ranks completed; on rank 0's node judges those every
-  // rank has published; writes published factors into the local rings. Never blocks on others.
+  // rank has published; writes published factors into the local rings. Never blocks on others;
+  // reaches the store only once a local worker is known to be a Python one (a libfsdp job costs
+  // the store nothing).
   void poll(rendezvous::StoreClient& store);
-  // Lines logged so far (tests and the report).
-  int reports() const { return reports_; }
 
  private:
   struct Local {
@@ -51,11 +51,9 @@ class PythonStragglers {
   const int world_;
   const std::string host_;
   std::vector<Local> locals_;
-  bool judges_ = false;           // rank 0 is here
   std::int64_t nextJudged_ = 0;   // rank 0's node: the next window to judge
   std::int64_t nextFactors_ = 0;  // windows before this one's factors are applied
   std::map<int, bool> named_;
-  int reports_ = 0;
 };
 
 }  // namespace fsdp::launcher::detail

@@ -7,7 +7,6 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <set>
 
 #include "fsdp/common/env.hpp"
 #include "fsdp/common/log.hpp"
@@ -121,7 +120,7 @@ Topology readTopology(const std::string& root) {
 }
 
 std::vector<int> gpusOfWorkers(int localWorkers, int gpus, const std::optional<std::string>& visible) {
-  if (gpus <= 0) return {};
+  if (gpus <= 0 || localWorkers > gpus) return {};  // a CPU job, or more workers than GPUs
   std::vector<int> listed;
   if (visible) {
     std::size_t start = 0;
@@ -133,10 +132,12 @@ std::vector<int> gpusOfWorkers(int localWorkers, int gpus, const std::optional<s
       start = end + 1;
     }
   }
+  if (!listed.empty() && static_cast<int>(listed.size()) < localWorkers) return {};
   std::vector<int> out;
   for (int k = 0; k < localWorkers; ++k) {
-    const int gpu = listed.empty() ? k : (k < static_cast<int>(listed.size()) ? listed[static_cast<std::size_t>(k)] : -1);
-    out.push_back(gpu >= 0 && gpu < gpus ? gpu : -1);
+    const int gpu = listed.empty() ? k : listed[static_cast<std::size_t>(k)];
+    if (gpu < 0 || gpu >= gpus) return {};
+    out.push_back(gpu);
   }
   return out;
 }

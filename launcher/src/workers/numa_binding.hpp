@@ -39,7 +39,8 @@ std::vector<Binding> planBindings(const std::string& mode, int localWorkers, con
                                   std::string& note, const std::vector<int>& gpuOfWorker = {});
 
 // Worker k's GPU: the k-th entry of CUDA_VISIBLE_DEVICES where it lists indices, else k; empty
-// when the machine shows no GPU or the list names GPUs by UUID.
+// (placed by local rank) when the machine shows no GPU, has fewer GPUs than workers (a CPU job on
+// a GPU node) or the list names GPUs by UUID.
 std::vector<int> gpusOfWorkers(int localWorkers, int gpus, const std::optional<std::string>& visible);
 
 // The agent's bindings for options.numaBinding (none when empty), each logged in one line.

@@ -62,6 +62,10 @@ RendezvousPlan planRendezvous(const LaunchOptions& options);
 // unreachable endpoint, a busy explicit port, a token that cannot be read.
 AgentResult runAgent(const LaunchOptions& options, const std::vector<std::string>& command);
 
+// torchrun's rule for OMP_NUM_THREADS: 1 for every worker when several share the node and the
+// user set none (workerEnvironment applies it; fsdprun warns once, in torchrun's words).
+bool setsOneOmpThread(const LaunchOptions& options, bool userSetOmp);
+
 // The worker environment (torchrun's variables and ours) on top of `base`.
 struct WorkerIdentity {
   int localRank = 0;

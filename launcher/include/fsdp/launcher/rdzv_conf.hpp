@@ -34,10 +34,10 @@ struct RdzvConf {
   // per node, not one per rank.
   bool storeProxy = true;
 
-  // Throws ConfigError naming the key or value ("--rdzv_conf 'join_timeout=abc': ...").
   // Keys accepted and ignored, each "KEY=VALUE: why" (fsdprun warns once per key).
   std::vector<std::string> ignored;
 
+  // Throws ConfigError naming the key or value ("--rdzv_conf 'join_timeout=abc': ...").
   static RdzvConf parse(const std::string& text);
 };
 
