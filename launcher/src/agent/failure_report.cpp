@@ -105,8 +105,7 @@ std::string torchrunErrorJson(const Failure& f, long long now) {
     stack = eol == std::string::npos ? "" : text.substr(eol + 1);
   };
   if (!f.hang.empty()) {
-    split(f.hang);
-    message = "the job hung: " + message;
+    split(f.hang);  // its first line says "the job is hung (declared by ...)"
   } else if (!f.error.empty()) {
     split(f.error);
   } else {
@@ -114,10 +113,11 @@ std::string torchrunErrorJson(const Failure& f, long long now) {
               ", pid " + std::to_string(f.pid) + ") failed: " + describeWaitStatus(f.waitStatus);
     stack = f.stderrTail;
   }
-  // torchrun's exit code of a worker: its status, or minus the signal that ended it.
-  const int code = WIFSIGNALED(f.waitStatus) ? -WTERMSIG(f.waitStatus)
-                   : WIFEXITED(f.waitStatus)  ? WEXITSTATUS(f.waitStatus)
-                                              : 1;
+  // torchrun's exit code of a worker: its status, or minus the signal that ended it; 1 where no
+  // exit ended the job (a hang: its lagging rank was still running), never a 0 that reads as success.
+  const int code = WIFSIGNALED(f.waitStatus)                                  ? -WTERMSIG(f.waitStatus)
+                   : WIFEXITED(f.waitStatus) && WEXITSTATUS(f.waitStatus) != 0 ? WEXITSTATUS(f.waitStatus)
+                                                                               : 1;
   return detail::torchrunError(message, {{"py_callstack", stack}}, now, code)
       .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }

@@ -164,6 +164,13 @@ TEST(LauncherErrorFile, TorchrunsShapeFromAWorkersErrorOrFromTheReport) {
   EXPECT_NE(j["message"]["message"].get<std::string>().find("rank 1 (local_rank 1 on n1, pid 42) failed"),
             std::string::npos);
   EXPECT_EQ(j["message"]["extraInfo"]["py_callstack"], "killed\n");
+  // A hang: no exit ended it (wait status 0); the report's headline, and an error code that is not 0.
+  f.waitStatus = 0;
+  f.hang = "the job is hung (declared by n1 (node 0)): no rank on n1 completed a collective\n  rank 1 ...";
+  j = nlohmann::json::parse(fsdp::launcher::torchrunErrorJson(f, 1));
+  EXPECT_EQ(j["message"]["message"], "the job is hung (declared by n1 (node 0)): no rank on n1 completed a collective");
+  EXPECT_EQ(j["message"]["errorCode"], 1);
+  EXPECT_EQ(j["message"]["extraInfo"]["py_callstack"], "  rank 1 ...");
 }
 
 }  // namespace
