@@ -197,7 +197,7 @@ bool planByLocalRank(const std::string& mode, const Topology& topology, std::str
     const auto n = allowed.size();
     const auto w = out.size();
     if (n < w) {
-      note = std::to_string(n) + " CPUs for " + std::to_string(w) +
+      note = std::to_string(n) + (n == 1 ? " CPU for " : " CPUs for ") + std::to_string(w) +
              " workers: exclusive binding gives each worker one CPU, some shared";
     }
     for (std::size_t i = 0; i < w; ++i) {
