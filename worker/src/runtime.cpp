@@ -1,6 +1,8 @@
 #include "fsdp/worker/runtime.hpp"
 
 #include "comm/recorded_communicator.hpp"
+#include "reform/reformable_communicator.hpp"
+#include "runtime_internal.hpp"
 #include "stats/straggler.hpp"
 
 #include <ATen/Context.h>
@@ -145,8 +147,8 @@ Runtime::Runtime(WorkerEnv env, std::unique_ptr<rendezvous::StoreClient> store,
                  std::unique_ptr<Communicator> comm, std::unique_ptr<Communicator> cpuComm, Backend backend)
     : env_(std::move(env)),
       store_(std::move(store)),
-      comm_(detail::recordCollectives(std::move(comm), "world")),
-      cpuComm_(detail::recordCollectives(std::move(cpuComm), "world.cpu")),
+      comm_(detail::reformable(detail::recordCollectives(std::move(comm), "world"))),
+      cpuComm_(detail::reformable(detail::recordCollectives(std::move(cpuComm), "world.cpu"))),
       backend_(backend) {
   detail::FlightRecorder::process().attach(env_.rank);
 }
@@ -159,6 +161,7 @@ Runtime::~Runtime() {
     detail::StragglerMonitor::setActive(nullptr);
   }
   stragglers_.reset();
+  detail::disableReformation(*this);
   comm_.reset();
   cpuComm_.reset();
 }
@@ -220,6 +223,22 @@ std::unique_ptr<Runtime> init(const InitOptions& options) {
       env.storeHost, static_cast<std::uint16_t>(env.storePort),
       {.connectTimeout = options.timeout, .timeout = options.timeout, .runId = env.runId,
        .token = token});
+  auto built = detail::buildCommunicators(env, *store, options);
+  log::info("connected: store {}, world {}, backend {} ({})", store->endpoint(), env.worldSize,
+            built.comm->backendName(), built.reason);
+  auto runtime = std::make_unique<Runtime>(std::move(env), std::move(store), std::move(built.comm),
+                                           std::move(built.cpuComm), built.backend);
+  runtime->initOptions_ = options;
+  runtime->token_ = token;
+  detail::startStragglerMonitor(*runtime, token);
+  detail::enableReformation(*runtime);
+  return runtime;
+}
+
+namespace detail {
+
+Communicators buildCommunicators(const WorkerEnv& env, rendezvous::StoreClient& storeClient, const InitOptions& options) {
+  auto* store = &storeClient;
   const auto requested = processEnv()("FSDPRUN_BACKEND");
   auto choice = chooseBackend(requested, options.backend, probeBackends(), env.localRank, env.localWorldSize);
   const std::string round = Runtime::roundPrefixFor(env.round);
@@ -275,13 +294,7 @@ std::unique_ptr<Runtime> init(const InitOptions& options) {
                                                   .timeout = options.timeout});
     shm = makeHierarchicalCommunicator(std::move(inside), std::move(across));
   }
-  if (shm) {
-    log::info("connected: store {}, world {}, backend {} ({})", store->endpoint(), env.worldSize, shm->backendName(),
-              choice.reason);
-    auto runtime = std::make_unique<Runtime>(std::move(env), std::move(store), std::move(shm), nullptr, Backend::kShm);
-    detail::startStragglerMonitor(*runtime, token);
-    return runtime;
-  }
+  if (shm) return {std::move(shm), nullptr, Backend::kShm, choice.reason};
   // The CPU world: Gloo; in a build without Gloo (LibTorch has its own copy), shared memory,
   // which reaches the ranks of one node only.
   std::unique_ptr<Communicator> gloo;
@@ -298,27 +311,20 @@ std::unique_ptr<Runtime> init(const InitOptions& options) {
                       " nodes need CPU collectives across nodes, and this libfsdp has no Gloo: " +
                       glooUnavailableReason());
   }
-  std::unique_ptr<Communicator> nccl;
   if (choice.backend == Backend::kNccl) {
-    nccl = createNcclCommunicator(*store, {.rank = env.rank,
-                                           .size = env.worldSize,
-                                           .device = choice.device,
-                                           .storePrefix = round + "nccl/world",
-                                           .timeout = options.timeout});
+    auto nccl = createNcclCommunicator(*store, {.rank = env.rank,
+                                                .size = env.worldSize,
+                                                .device = choice.device,
+                                                .storePrefix = round + "nccl/world",
+                                                .timeout = options.timeout});
+    return {std::move(nccl), std::move(gloo), Backend::kNccl, choice.reason};
   }
-  log::info("connected: store {}, world {}, backend {} ({})", store->endpoint(), env.worldSize,
-            backendName(choice.backend), choice.reason);
-  std::unique_ptr<Runtime> runtime;
-  if (nccl) {
-    runtime = std::make_unique<Runtime>(std::move(env), std::move(store), std::move(nccl), std::move(gloo), Backend::kNccl);
-  } else {
-    // kShm where ranks are not node-major (or one per node): Gloo for the world; HYBRID_SHARD's
-    // node groups still use shared memory.
-    runtime = std::make_unique<Runtime>(std::move(env), std::move(store), std::move(gloo), nullptr, choice.backend);
-  }
-  detail::startStragglerMonitor(*runtime, token);
-  return runtime;
+  // kShm where ranks are not node-major (or one per node): Gloo for the world; HYBRID_SHARD's
+  // node groups still use shared memory.
+  return {std::move(gloo), nullptr, choice.backend, choice.reason};
 }
+
+}  // namespace detail
 
 namespace detail {
 

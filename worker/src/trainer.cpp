@@ -20,7 +20,9 @@
 #include "comm/recorded_communicator.hpp"
 #include "stats/straggler.hpp"
 #include "fsdp/worker/flight_recorder.hpp"
+#include "fsdp/worker/reform.hpp"
 #include "fsdp/worker/runtime.hpp"
+#include "fsdp/common/log.hpp"
 
 namespace fsdp::worker {
 namespace {
@@ -118,6 +120,25 @@ struct Trainer::Impl {
       : runtime(rt), model(m), optimizer(o), loss(std::move(l)), options(std::move(opt)) {}
 
   bool leader() const { return runtime.rank() == 0; }
+
+  // Before an in-process re-formation: what the interrupted round left goes. The parameters and
+  // the optimizer state leave snapshot memory (the agent's pieces stay as they are; the restore
+  // refills them), the snapshots' connection goes (the new round makes its own, as a new process
+  // does), a checkpoint being written finishes or fails.
+  void dropInterruptedState() {
+    barOpen = false;
+    if (snapshots) {
+      snapshots->releaseMemory(model, optimizer);
+      snapshots.reset();
+    }
+    if (checkpointer) {
+      try {
+        checkpointer->wait();
+      } catch (const std::exception& e) {
+        log::warn("rank {}: the checkpoint being written when the world re-formed failed: {}", runtime.rank(), e.what());
+      }
+    }
+  }
 
   void printLine(const std::string& text) {
     if (!leader() || options.progress == ProgressStyle::kNone) return;
@@ -251,10 +272,30 @@ EvalResult Trainer::evaluate(const Dataset& data) {
 
 FitResult Trainer::fit(const Dataset& train, const Dataset* eval) {
   auto& d = *impl_;
+  d.start = Clock::now();
+  std::optional<ReformInfo> reformed;
+  int reforms = 0;
+  for (;;) {
+    try {
+      return fitRound(train, eval, reformed ? &*reformed : nullptr, reforms);
+    } catch (const std::exception& e) {
+      // A failure elsewhere: the agent aborted this process's communicators (or a peer's death
+      // was seen first and its notice follows). Anything else is this process's own.
+      if (!reformPending(d.runtime)) throw;
+      log::warn("rank {}: the step in progress is dropped, the world re-forms in process ({})", d.runtime.rank(),
+                e.what());
+      d.dropInterruptedState();
+      reformed = reform(d.runtime, d.model);
+      ++reforms;
+    }
+  }
+}
+
+FitResult Trainer::fitRound(const Dataset& train, const Dataset* eval, const ReformInfo* reformed, int reforms) {
+  auto& d = *impl_;
   const auto& o = d.options;
   const int rank = d.runtime.rank();
   const int world = d.runtime.worldSize();
-  d.start = Clock::now();
   DistributedSampler sampler(train.size(), rank, world,
                              {.globalBatch = o.globalBatch, .shuffle = o.shuffle, .seed = o.seed, .lastBatch = o.lastBatch});
   const std::int64_t stepsPerEpoch = sampler.stepsPerEpoch();
@@ -264,6 +305,7 @@ FitResult Trainer::fit(const Dataset& train, const Dataset* eval) {
   const bool bySteps = totalSteps < stepsPerEpoch * o.epochs && totalSteps < stepsPerEpoch;
 
   FitResult result;
+  result.reforms = reforms;
   std::int64_t step = 0;
   SamplerPosition position;
   // Each rank its own stream (dropout differs per rank as it differs per sample in one process).
@@ -309,21 +351,44 @@ FitResult Trainer::fit(const Dataset& train, const Dataset* eval) {
     } else {
       char took[32];
       std::snprintf(took, sizeof(took), "%.0f ms", restoreMs);
+      std::string how;
+      if (reformed != nullptr) {
+        char text[96];
+        std::snprintf(text, sizeof(text), " (re-formed in process in %.0f ms: round %d)", reformed->ms, reformed->round);
+        how = text;
+      }
       d.printLine("resumed from the in-memory snapshot of step " + std::to_string(step) +
                   (result.resumedSource == "memory" ? std::string() : " (the lost node's peer copy)") + " in " + took +
-                  reseeded);
+                  reseeded + how);
     }
   }
-  if (d.leader() && !o.metricsFile.empty()) {
+  if (d.leader() && !o.metricsFile.empty() && !d.metrics.is_open()) {
     d.metrics.open(o.metricsFile, result.resumedFrom ? std::ios::app : std::ios::trunc);
     if (!d.metrics) throw ConfigError("--metrics_file '" + o.metricsFile + "': cannot write it");
+  }
+  if (reformed != nullptr) {
+    if (!resumed) {
+      // The survivors' state is the interrupted step's: without a snapshot every rank holds, only
+      // new processes (from disk, or from the start) agree on where to go on.
+      throw ReformError("re-formed in process, but no snapshot or checkpoint to resume from: every process starts again");
+    }
+    reformDone(d.runtime);
   }
   if (resumed) {
     // process_age_s: how long after this process started the state was back (a restart's
     // cost is the launcher's part before that, this program's start-up, and the restore).
-    d.writeMetrics({{"type", "resume"}, {"step", step}, {"source", result.resumedSource}, {"restore_ms", restoreMs},
-                    {"process_age_s", processAgeSeconds()}, {"unix_time", unixTime()}});
+    // path: how rank 0 got here, a new process ("process") or one that re-formed ("in_process").
+    json line{{"type", "resume"}, {"step", step}, {"source", result.resumedSource}, {"restore_ms", restoreMs},
+              {"process_age_s", processAgeSeconds()}, {"unix_time", unixTime()},
+              {"path", reformed != nullptr ? "in_process" : "process"}};
+    if (reformed != nullptr) {
+      line["reform_ms"] = reformed->ms;
+      line["round"] = reformed->round;
+    }
+    d.writeMetrics(line);
   }
+  // From here on a failure elsewhere is survived in process (the agent is told).
+  const ReformScope survivable(d.runtime);
 
   // A step resumed from a snapshot may have no disk checkpoint yet: only a disk resume counts.
   std::optional<std::int64_t> lastSaved =

@@ -283,3 +283,43 @@ TEST(NcclQueue, AnOperationPastItsDeadlineAbortsTheCommunicatorAndLaterOnesAreRe
 }
 
 }  // namespace
+
+// Communicator::abort (an in-process re-formation): an operation in flight wakes its waiter
+// with CommAborted, later launches are refused the same way, the stream is synchronised, and a
+// new communicator (the next round's) steps again.
+TEST(NcclQueue, AnAbortWakesTheWaiterWithCommAbortedAndTheNextCommunicatorStepsAgain) {
+  auto fake = std::make_shared<FakeNcclApi>();
+  Rig rig(60s, fake);
+  int synchronized = 0;
+  fake->onSynchronize([&](fd::CudaStream s) { synchronized += s == rig.stream; });
+  auto work = rig.launch({at::ones({4})}, fd::WaitMode::kHost);  // never reached: in flight
+  auto waiter = std::async(std::launch::async, [&]() -> std::string {
+    try {
+      work.wait();
+      return "no error";
+    } catch (const fsdp::CommAborted&) {
+      return "CommAborted";
+    } catch (const std::exception& e) {
+      return std::string("another error: ") + e.what();
+    }
+  });
+  EXPECT_TRUE(rig.queue->abort("rank 1 failed (test)"));
+  ASSERT_EQ(waiter.wait_for(kBound), std::future_status::ready);
+  EXPECT_EQ(waiter.get(), "CommAborted");
+  EXPECT_EQ(fake->counts().aborts, 1);
+  EXPECT_GE(synchronized, 1) << "the communication stream is synchronised after the abort";
+  try {
+    rig.launch({at::ones({4})});
+    FAIL() << "a launch after the abort must throw";
+  } catch (const fsdp::CommAborted& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 1 failed (test)"), std::string::npos) << e.what();
+  }
+  rig.queue.reset();
+  EXPECT_EQ(fake->counts().callsAfterAbort, 0);
+
+  Rig next(60s, fake);
+  fake->setAutoReach(true);
+  auto again = next.launch({at::ones({4})}, fd::WaitMode::kHost);
+  EXPECT_NO_THROW(again.wait());
+  next.queue.reset();
+}

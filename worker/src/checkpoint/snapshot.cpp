@@ -400,6 +400,28 @@ void Snapshotter::step(FullyShardedDataParallel& model, torch::optim::Optimizer&
   optimizer.step();
 }
 
+void Snapshotter::releaseMemory(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer) {
+  auto& d = *impl_;
+  try {
+    wait();
+  } catch (const std::exception& e) {
+    log::warn("rank {}: the snapshot in flight when the world re-formed failed: {}", d.runtime.rank(), e.what());
+  }
+  if (!d.live) return;
+  std::string kind;
+  try {
+    kind = optimizerKind(optimizer);
+  } catch (const ConfigError&) {
+    kind.clear();
+  }
+  at::NoGradGuard noGrad;
+  forEachStateTensor(model, optimizer, kind, [&](const at::Tensor&, const std::string&, at::Tensor& t) {
+    if (inside(d.live, t)) t.set_(at::empty_like(t));
+    return true;
+  });
+  d.live.reset();
+}
+
 bool Snapshotter::frozen(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer) const {
   const auto& d = *impl_;
   if (!d.live) return false;

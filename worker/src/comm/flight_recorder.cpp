@@ -9,6 +9,7 @@
 #include <string>
 
 #include "comm/recorded_communicator.hpp"
+#include "reform/control.hpp"
 #include "fsdp/common/log.hpp"
 #include "fsdp/worker/flight_recorder.hpp"
 
@@ -101,6 +102,8 @@ void FlightRecorder::start(std::uint64_t index) {
 }
 
 void FlightRecorder::complete(std::uint64_t index, bool ok) {
+  // A peer's death seen here before the agent's notice (reformPending waits for the notice then).
+  if (!ok) ReformControl::process().noteCollectiveFailure();
   if (!writer_) return;
   writer_->complete(index, ok);
   endWait(index);

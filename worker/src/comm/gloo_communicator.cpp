@@ -15,6 +15,7 @@
 #include <gloo/transport/tcp/device.h>
 
 #include <array>
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <limits>
@@ -54,7 +55,10 @@ class GlooStore : public gloo::rendezvous::Store {
   std::chrono::milliseconds timeout_;
 };
 
-// Runs queued operations one at a time, in order, on one thread it owns.
+// Runs queued operations one at a time, in order, on one thread it owns. abort() settles every
+// operation not finished yet with an error at once (their Works wake) even while one is stuck in
+// Gloo; abandon() lets a stuck thread finish on its own and run a last function (the
+// communicator's deletion) instead of being joined.
 class TaskQueue {
  public:
   TaskQueue() : thread_([this] { run(); }) {}
@@ -64,26 +68,72 @@ class TaskQueue {
       stopping_ = true;
     }
     ready_.notify_one();
-    thread_.join();
+    if (thread_.joinable()) thread_.join();
   }
   TaskQueue(const TaskQueue&) = delete;
   TaskQueue& operator=(const TaskQueue&) = delete;
 
   Work push(std::function<void()> fn) {
-    std::packaged_task<void()> task(std::move(fn));
-    Work work(task.get_future().share());
+    Task task{std::move(fn), std::make_shared<Outcome>()};
+    Work work(task.outcome->promise.get_future().share());
     {
       std::scoped_lock lock(mutex_);
+      if (failure_) {
+        task.outcome->settle(failure_);
+        return work;
+      }
       tasks_.push_back(std::move(task));
     }
     ready_.notify_one();
     return work;
   }
 
+  // Every operation queued or running fails with `error` now; later ones too.
+  void abort(std::exception_ptr error) {
+    std::deque<Task> dropped;
+    std::shared_ptr<Outcome> current;
+    {
+      std::scoped_lock lock(mutex_);
+      failure_ = error;
+      dropped.swap(tasks_);
+      current = running_;
+    }
+    if (current) current->settle(error);
+    for (auto& task : dropped) task.outcome->settle(error);
+  }
+
+  // When an operation is running (stuck): the thread is let go, and runs `last` once it is done
+  // (nothing of this queue may be touched after: `last` deletes it). False when idle.
+  bool abandon(std::function<void()> last) {
+    std::scoped_lock lock(mutex_);
+    if (!running_) return false;
+    last_ = std::move(last);
+    stopping_ = true;
+    thread_.detach();
+    return true;
+  }
+
  private:
+  struct Outcome {
+    std::promise<void> promise;
+    std::atomic<bool> settled{false};
+    void settle(std::exception_ptr error) {
+      if (settled.exchange(true)) return;
+      if (error) {
+        promise.set_exception(error);
+      } else {
+        promise.set_value();
+      }
+    }
+  };
+  struct Task {
+    std::function<void()> fn;
+    std::shared_ptr<Outcome> outcome;
+  };
+
   void run() {
     for (;;) {
-      std::packaged_task<void()> task;
+      Task task;
       {
         std::unique_lock lock(mutex_);
         ready_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
@@ -91,14 +141,34 @@ class TaskQueue {
         if (stopping_) return;
         task = std::move(tasks_.front());
         tasks_.pop_front();
+        running_ = task.outcome;
       }
-      task();
+      std::exception_ptr error;
+      try {
+        task.fn();
+      } catch (...) {
+        error = std::current_exception();
+      }
+      task.outcome->settle(error);
+      std::function<void()> last;
+      {
+        std::scoped_lock lock(mutex_);
+        running_.reset();
+        last = std::move(last_);
+      }
+      if (last) {
+        last();  // deletes this queue: nothing of it is touched after
+        return;
+      }
     }
   }
 
   std::mutex mutex_;
   std::condition_variable ready_;
-  std::deque<std::packaged_task<void()>> tasks_;
+  std::deque<Task> tasks_;
+  std::shared_ptr<Outcome> running_;
+  std::exception_ptr failure_;
+  std::function<void()> last_;
   bool stopping_ = false;
   std::thread thread_;
 };
@@ -259,11 +329,48 @@ class GlooCommunicator final : public Communicator {
     if (!t.is_contiguous()) throw Error(std::string(op) + ": tensor must be contiguous");
     dispatchType(t.scalar_type(), [](auto) {});  // throws for dtypes Gloo cannot reduce
   }
+
+ public:
+  // Every operation not finished fails with CommAborted at once, as every later one (guard()).
+  // One stuck in Gloo stays so until its peers close their pairs (their communicators go) or its
+  // timeout: the communicator's deletion waits for it on that thread, not on the caller's.
+  bool abort(const std::string& why) override {
+    std::string message;
+    {
+      std::scoped_lock lock(abortMutex_);
+      if (!abortReason_.empty()) return true;
+      abortReason_ = why.empty() ? "aborted" : why;
+      message = "gloo on rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
+                ": the communicator was aborted: " + abortReason_;
+    }
+    aborted_.store(true, std::memory_order_release);
+    queue_.abort(std::make_exception_ptr(CommAborted(message)));
+    return true;
+  }
+  bool aborted() const { return aborted_.load(std::memory_order_acquire); }
+  TaskQueue& queue() { return queue_; }
+
+ private:
   // Turns Gloo's exceptions into ours, naming the rank and the operation.
   template <typename Fn>
   void guard(const char* op, Fn&& fn) {
+    const auto refuse = [&] {
+      std::scoped_lock lock(abortMutex_);
+      throw CommAborted("gloo " + std::string(op) + " on rank " + std::to_string(rank()) + " of " +
+                        std::to_string(size()) + ": the communicator was aborted: " + abortReason_);
+    };
+    if (aborted_.load(std::memory_order_acquire)) refuse();
     try {
       fn();
+    } catch (const gloo::Exception&) {
+      if (aborted_.load(std::memory_order_acquire)) refuse();
+      rethrow(op);
+    }
+  }
+  // Called inside a handler: the exception being handled, as ours.
+  [[noreturn]] void rethrow(const char* op) {
+    try {
+      throw;
     } catch (const gloo::IoException& e) {
       throw NetworkError("gloo " + std::string(op) + " failed on rank " + std::to_string(rank()) +
                              " of " + std::to_string(size()) + ": " + e.what(),
@@ -320,8 +427,42 @@ class GlooCommunicator final : public Communicator {
 
   std::shared_ptr<gloo::rendezvous::Context> context_;
   GlooOptions options_;
+  std::atomic<bool> aborted_{false};
+  std::mutex abortMutex_;
+  std::string abortReason_;  // under abortMutex_
   std::uint32_t tag_ = 1;  // touched only on the queue's thread
   TaskQueue queue_;        // last: joined before the context goes away
+};
+
+// What createGlooCommunicator hands out: the communicator, deleted when its owner lets go, or,
+// after an abort with an operation stuck in Gloo, by its queue's thread once that ends.
+class GlooHandle final : public Communicator {
+ public:
+  explicit GlooHandle(GlooCommunicator* impl) : impl_(impl) {}
+  ~GlooHandle() override {
+    GlooCommunicator* impl = impl_;
+    if (impl->aborted() && impl->queue().abandon([impl] { delete impl; })) return;
+    delete impl;
+  }
+  GlooHandle(const GlooHandle&) = delete;
+  GlooHandle& operator=(const GlooHandle&) = delete;
+  int rank() const override { return impl_->rank(); }
+  int size() const override { return impl_->size(); }
+  c10::DeviceType deviceType() const override { return impl_->deviceType(); }
+  const char* backendName() const override { return impl_->backendName(); }
+  Work allReduce(at::Tensor tensor, ReduceOp op) override { return impl_->allReduce(std::move(tensor), op); }
+  Work allGather(at::Tensor input, at::Tensor output) override {
+    return impl_->allGather(std::move(input), std::move(output));
+  }
+  Work reduceScatter(at::Tensor input, at::Tensor output, ReduceOp op) override {
+    return impl_->reduceScatter(std::move(input), std::move(output), op);
+  }
+  Work broadcast(at::Tensor tensor, int root) override { return impl_->broadcast(std::move(tensor), root); }
+  Work barrier() override { return impl_->barrier(); }
+  bool abort(const std::string& why) override { return impl_->abort(why); }
+
+ private:
+  GlooCommunicator* impl_;
 };
 
 }  // namespace
@@ -350,7 +491,7 @@ std::unique_ptr<Communicator> createGlooCommunicator(rendezvous::StoreClient& st
                            "): " + e.what(),
                        store.endpoint());
   }
-  return std::make_unique<GlooCommunicator>(std::move(context), options);
+  return std::make_unique<GlooHandle>(new GlooCommunicator(std::move(context), options));
 }
 
 }  // namespace fsdp::worker

@@ -18,6 +18,11 @@ class HierarchicalCommunicator final : public Communicator {
   int size() const override { return localSize() * nodes(); }
   c10::DeviceType deviceType() const override { return local_->deviceType(); }
   const char* backendName() const override { return "shared memory + Gloo"; }
+  bool abort(const std::string& why) override {
+    const bool inside = local_->abort(why);
+    const bool across = cross_->abort(why);
+    return inside && across;
+  }
 
   Work allReduce(at::Tensor tensor, ReduceOp op) override {
     checkContiguous(tensor, "allReduce");

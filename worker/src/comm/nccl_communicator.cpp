@@ -43,6 +43,8 @@ class NcclCommunicator final : public Communicator {
   }
   const char* backendName() const override { return "NCCL"; }
 
+  bool abort(const std::string& why) override { return queue_->abort(why); }
+
   Work allReduce(at::Tensor tensor, ReduceOp op) override {
     check(tensor, "allReduce");
     return queue_->launch("allReduce", {tensor}, [&](NcclComm comm, CudaStream stream) {

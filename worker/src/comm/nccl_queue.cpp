@@ -160,7 +160,14 @@ struct QueueState {
   NcclComm comm;  // nullptr once aborted or closed
   std::deque<std::shared_ptr<Operation>> inFlight;
   std::string error;  // the first failure; every later operation throws it
+  bool aborted = false;  // the failure is an abort (Communicator::abort): CommAborted
   bool stop = false;
+
+  // The error of `error`'s kind. Caller holds `mutex`.
+  [[noreturn]] void throwLocked(const std::string& message) const {
+    if (aborted) throw CommAborted(message);
+    throw Error(message);
+  }
 
   std::string where(const std::string& op) const {
     return "nccl " + op + " on " + describe(options);
@@ -341,7 +348,7 @@ Work NcclQueue::launch(const std::string& op, std::vector<at::Tensor> tensors, c
   onDevice.check(state_->where(op));
   {
     std::scoped_lock lock(state_->mutex);
-    if (auto refusal = state_->refusalLocked(op); !refusal.empty()) throw Error(refusal);
+    if (auto refusal = state_->refusalLocked(op); !refusal.empty()) state_->throwLocked(refusal);
   }
   // The compute stream is this thread's now; the operation keeps it for whoever waits, aborts or
   // releases later, from whatever thread.
@@ -365,22 +372,25 @@ Work NcclQueue::launch(const std::string& op, std::vector<at::Tensor> tensors, c
   const auto giveUp = [&](const std::string& cause) {
     Released released;
     std::string message;
+    bool aborted = false;
     {
       std::scoped_lock lock(state_->mutex);
       if (!cause.empty()) state_->failLocked(op, cause, released);
       message = state_->error + (cause.empty() ? "; " + op + " was abandoned" : "");
+      aborted = state_->aborted;
     }
     if (const auto r = api_->synchronizeStream(stream_); !r.isDone()) {
       log::error("{}: waiting for the communication stream after the abort: {}", state_->where(op),
                  r.cause);
     }
-    return Error(message);
+    if (aborted) throw CommAborted(message);
+    throw Error(message);
   };
 
   ApiResult result;
   {
     std::scoped_lock lock(state_->mutex);
-    if (auto refusal = state_->refusalLocked(op); !refusal.empty()) throw Error(refusal);
+    if (auto refusal = state_->refusalLocked(op); !refusal.empty()) state_->throwLocked(refusal);
     std::scoped_lock device(deviceMutex(options_.device));
     result = issue(state_->comm, stream_);
   }
@@ -391,27 +401,27 @@ Work NcclQueue::launch(const std::string& op, std::vector<at::Tensor> tensors, c
     state_->changed.wait_for(lock, kPoll);
     if (state_->comm == nullptr) {
       lock.unlock();
-      throw giveUp("");
+      giveUp("");
     }
     if (operation->deadline.expired()) {
       lock.unlock();
-      throw giveUp("enqueueing did not finish within its timeout of " +
+      giveUp("enqueueing did not finish within its timeout of " +
                    std::to_string(options_.timeout.count()) + " ms");
     }
     result = api_->commAsyncError(state_->comm);
   }
-  if (result.isFailed()) throw giveUp(result.cause);
+  if (result.isFailed()) giveUp(result.cause);
   // Without its completion event an operation cannot be watched (an event never recorded reads
   // as reached): it is not queued, and the communicator is aborted.
   if (const auto r = api_->recordEvent(operation->done.get(), stream_); !r.isDone()) {
-    throw giveUp("cudaEventRecord after the collective: " + r.cause);
+    giveUp("cudaEventRecord after the collective: " + r.cause);
   }
   {
     std::scoped_lock lock(state_->mutex);
     if (!state_->error.empty()) {
       // Aborted since it settled: ordered as abortLocked() orders the pending ones.
       api_->streamWaitEvent(compute, operation->done.get());
-      throw Error(state_->error + "; " + op + " was abandoned");
+      state_->throwLocked(state_->error + "; " + op + " was abandoned");
     }
     state_->inFlight.push_back(operation);
     state_->changed.notify_all();
@@ -423,7 +433,7 @@ Work NcclQueue::launch(const std::string& op, std::vector<at::Tensor> tensors, c
           state->changed.wait(lock,
                               [&] { return operation->finished || !operation->error.empty(); });
         }
-        if (!operation->error.empty()) throw Error(operation->error);
+        if (!operation->error.empty()) state->throwLocked(operation->error);
         if (operation->finished) return;  // reached: nothing left to order
         const DeviceGuard onDevice(*state->api, state->options.device);
         onDevice.check(state->where(operation->name));
@@ -437,6 +447,28 @@ Work NcclQueue::launch(const std::string& op, std::vector<at::Tensor> tensors, c
         std::scoped_lock lock(state->mutex);
         return operation->finished || !operation->error.empty();
       });
+}
+
+bool NcclQueue::abort(const std::string& why) {
+  const DeviceGuard onDevice(*api_, options_.device);
+  Released released;
+  {
+    std::scoped_lock lock(state_->mutex);
+    if (state_->error.empty()) {
+      state_->aborted = true;
+      state_->error = state_->where("abort") + ": the communicator was aborted: " + why;
+    }
+    state_->abortLocked(released);
+  }
+  released.clear();
+  // What the kernels left on the communication stream: an error here is sticky (the device is
+  // unusable in this process).
+  if (const auto r = api_->synchronizeStream(stream_); !r.isDone()) {
+    log::error("{}: the communication stream after the abort: {}; the device needs a new process",
+               state_->where("abort"), r.cause);
+    return false;
+  }
+  return true;
 }
 
 }  // namespace fsdp::worker::detail

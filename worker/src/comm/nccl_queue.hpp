@@ -74,6 +74,12 @@ class NcclQueue {
   Work launch(const std::string& op, std::vector<at::Tensor> tensors, const Issue& issue,
               WaitMode mode = WaitMode::kStream);
 
+  // Communicator::abort: ncclCommAbort, every pending operation failed (waiters woken) and every
+  // later one refused with fsdp::CommAborted naming `why`; then the communication stream is
+  // synchronised, and false returned (with the error logged) when that fails: a sticky CUDA
+  // error, which only a new process clears. Thread-safe.
+  bool abort(const std::string& why);
+
  private:
   std::shared_ptr<NcclApi> api_;
   std::shared_ptr<QueueState> state_;

@@ -41,6 +41,7 @@ class RecordedCommunicator final : public Communicator {
   c10::DeviceType deviceType() const override { return inner_->deviceType(); }
   const char* backendName() const override { return inner_->backendName(); }
   c10::Device device() const override { return inner_->device(); }
+  bool abort(const std::string& why) override { return inner_->abort(why); }
 
   Work allReduce(at::Tensor tensor, ReduceOp op) override {
     return record(flight::Op::kAllReduce, tensor, [&] { return inner_->allReduce(tensor, op); });

@@ -144,6 +144,9 @@ void sumFloats(float* out, const float* const* terms, int count, float divisor, 
   throw Error(message);
 }
 
+// The reason of a group given up by abort() (a re-formation), not by a failure.
+const std::string kAbortMark = "abort: ";
+
 bool processGone(std::int32_t pid) { return pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH; }
 
 class ShmCommunicator final : public Communicator {
@@ -281,8 +284,16 @@ class ShmCommunicator final : public Communicator {
   void refuseIfAborted(const char* op) const {
     const auto by = header().aborted.load(std::memory_order_acquire);
     if (by == 0) return;
-    throw Error(std::string("shm ") + op + " on " + who() + ": the group was aborted by rank " +
-                std::to_string(by - 1) + ": " + std::string(header().reason, strnlen(header().reason, kReasonBytes)));
+    const std::string reason(header().reason, strnlen(header().reason, kReasonBytes));
+    const std::string message = std::string("shm ") + op + " on " + who() + ": the group was aborted by rank " +
+                                std::to_string(by - 1) + ": " + reason;
+    if (reason.starts_with(kAbortMark)) throw CommAborted(message);
+    throw Error(message);
+  }
+
+  bool abort(const std::string& why) override {
+    giveUp(kAbortMark + why);
+    return true;
   }
 
   // The first rank to fail records why and wakes every sleeper.

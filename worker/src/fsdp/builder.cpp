@@ -167,6 +167,12 @@ void FsdpBuilder::checkSameModelEverywhere() {
   std::memcpy(mine.data_ptr(), bytes.data(), 16);
   mine[2] = static_cast<std::int64_t>(originals_.size());
   mine[3] = numel;
+  state_.constructionDigest_ = mine;
+  compareModelDigests(comm, mine);
+}
+
+void compareModelDigests(Communicator& comm, at::Tensor mine) {
+  constexpr int kWords = 4;
   if (comm.size() == 1) return;
   // On the communicator's device (NCCL takes CUDA tensors only), read back on the host.
   mine = mine.to(comm.device());
@@ -194,6 +200,8 @@ void FsdpBuilder::syncModuleStates() {
   std::vector<at::Tensor> tensors = originals_;
   for (const auto& b : root_.inner_ptr_->buffers()) tensors.push_back(b);
   for (auto& t : tensors) {
+    state_.constructionBroadcasts_.push_back(t.options().dtype(t.scalar_type()).device(t.device()));
+    state_.constructionShapes_.push_back(t.sizes().vec());
     if (t.is_contiguous()) {
       comm.broadcast(t, 0).wait();
     } else {

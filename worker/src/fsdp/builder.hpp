@@ -13,6 +13,11 @@
 
 namespace fsdp::worker::detail {
 
+// All-gathers this rank's model digest (4 words: 16 bytes of a hash of names, shapes and dtypes,
+// the parameter count, the element count) and throws ConfigError naming the first rank whose
+// model differs. Construction, and its replay after a re-formation.
+void compareModelDigests(Communicator& comm, at::Tensor mine);
+
 class FsdpBuilder {
  public:
   FsdpBuilder(FsdpState& state, UnitImpl& root) : state_(state), root_(root) {}

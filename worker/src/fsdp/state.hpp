@@ -126,6 +126,19 @@ class FsdpState {
   // Counts backward passes, so that a hook of an abandoned one recognises itself.
   std::uint64_t generation_ = 0;
   std::vector<std::pair<torch::autograd::Node*, std::uintptr_t>> hookKeys_;
+  // The collectives of construction, kept so that a survivor of a failure replays them with the
+  // new processes of the round (reform/fsdp_reform.cpp): the model digest all-gathered, and the
+  // tensors syncModuleStates broadcast (their shapes and kinds).
+  at::Tensor constructionDigest_;
+  std::vector<at::TensorOptions> constructionBroadcasts_;
+  std::vector<std::vector<std::int64_t>> constructionShapes_;
+
+  // After the communicators were aborted mid-step: drops what the step left (gathers,
+  // reductions, full gradients and parameters) without waiting on any of it.
+  void abandonAfterAbort();
+  // Issues the collectives of construction again, over the new round's communicators, as a new
+  // process's constructor does; what the broadcasts bring is dropped (a restore follows).
+  void replayConstruction();
 
  private:
   bool reshardAfterForward(int u) const;

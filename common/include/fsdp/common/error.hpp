@@ -42,6 +42,13 @@ class ProtocolError : public Error {
   using Error::Error;
 };
 
+// A collective woken or refused because its communicator was aborted (Communicator::abort):
+// the world is re-forming. Recoverable: rebuild the communicators for the new round and go on.
+class CommAborted : public Error {
+ public:
+  using Error::Error;
+};
+
 // A training worker failed (exit code or signal).
 class WorkerFailure : public Error {
  public:

@@ -12,6 +12,7 @@
 #include <functional>
 #include <future>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace fsdp::worker {
@@ -85,6 +86,17 @@ class Communicator {
   // Copies root's `tensor` into every rank's `tensor`.
   virtual Work broadcast(at::Tensor tensor, int root = 0) = 0;
   virtual Work barrier() = 0;
+
+  // Wakes every operation of this rank blocked in the communicator, and fails every pending and
+  // later one, with fsdp::CommAborted naming `why`; the communicator is of no further use (build
+  // a new one). Shared memory: every rank of the group is woken (the group goes); Gloo: this
+  // rank's pairs are closed; NCCL: ncclCommAbort, and the communication stream synchronised.
+  // Returns false where the backend cannot abort (then only the process's end frees what is
+  // blocked). Thread-safe: called from another thread than the one blocked.
+  virtual bool abort(const std::string& why) {
+    (void)why;
+    return false;
+  }
 };
 
 }  // namespace fsdp::worker

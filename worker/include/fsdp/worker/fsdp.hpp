@@ -125,6 +125,7 @@ struct FsdpOptions {
 namespace detail {
 class FsdpState;
 class FsdpBuilder;
+struct RuntimeReform;
 }  // namespace detail
 
 // A unit boundary a model declares itself. Until the root FSDP module shards it, it is a
@@ -271,6 +272,7 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   std::shared_ptr<torch::nn::Module> module() const;
 
  private:
+  friend struct detail::RuntimeReform;  // an in-process re-formation resets the state (reform.hpp)
   std::unique_ptr<detail::FsdpState> state_;
   std::shared_ptr<UnitImpl> rootUnit_;
 };

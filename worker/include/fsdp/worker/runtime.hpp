@@ -91,6 +91,7 @@ struct InitOptions {
 class Runtime;
 namespace detail {
 class StragglerMonitor;
+struct RuntimeReform;  // reform/reform.cpp: the in-process re-formation (reform.hpp)
 // fsdp::init(): starts the straggler reports of this runtime (stats/straggler.hpp).
 void startStragglerMonitor(Runtime& runtime, const std::string& token);
 }  // namespace detail
@@ -130,7 +131,12 @@ class Runtime {
   std::unique_ptr<Communicator> cpuComm_;
   Backend backend_ = Backend::kGloo;
   std::shared_ptr<detail::StragglerMonitor> stragglers_;
+  InitOptions initOptions_;  // what fsdp::init() was given: a re-formation builds alike
+  std::string token_;
+  int abortHook_ = 0;  // the control channel's hook that aborts comm_ and cpuComm_ (0: none)
   friend void detail::startStragglerMonitor(Runtime& runtime, const std::string& token);
+  friend struct detail::RuntimeReform;
+  friend std::unique_ptr<Runtime> init(const InitOptions& options);
 };
 
 // Reads the environment, connects, picks the backend (chooseBackend) and builds the

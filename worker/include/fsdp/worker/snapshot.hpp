@@ -77,6 +77,12 @@ class Snapshotter {
   // writer may then read them on its own thread (Checkpointer::save's `frozen`).
   bool frozen(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer) const;
 
+  // Before this Snapshotter goes while the model lives on and a restore will refill it (an
+  // in-process re-formation, reform.hpp): the shards and optimizer state that step() put in
+  // snapshot memory move to memory of their own, uninitialised (nothing the agent holds is
+  // written again). Their values are gone: call restore() on a new Snapshotter next.
+  void releaseMemory(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer);
+
   // Collective. Restores the newest step of which every rank's piece is held by some node's
   // agent (a lost node's ranks by the node holding their peer copies), at the current world size
   // if it can, else resharded from the old one. A rank reads a piece from its own node's agent

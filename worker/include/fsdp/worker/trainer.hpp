@@ -97,6 +97,9 @@ struct FitResult {
   double steadySamplesPerSecond = 0;
   double tokensPerSecond = 0;
   double peakRssMb = 0;            // the largest of the ranks
+  // In-process re-formations this process went through (fsdprun --restart_mode auto): a failure
+  // elsewhere cost it the step in progress, not its life (reform.hpp).
+  int reforms = 0;
 };
 
 class Trainer {
@@ -113,6 +116,9 @@ class Trainer {
   ~Trainer();
 
   // Collective. Trains, evaluating on `eval` (if given) after every epoch and at the end.
+  // Under fsdprun --restart_mode auto, a failure of another worker is survived here: the
+  // step in progress is dropped, the world re-forms in process and training resumes from the
+  // newest snapshot every rank holds (reform.hpp).
   FitResult fit(const Dataset& train, const Dataset* eval = nullptr);
   // Collective. The mean loss (and accuracy) over every example of `data`.
   EvalResult evaluate(const Dataset& data);
@@ -127,6 +133,8 @@ class Trainer {
 
  private:
   struct Impl;
+  // fit() from the resume on, once per round this process lives through.
+  FitResult fitRound(const Dataset& train, const Dataset* eval, const struct ReformInfo* reformed, int reforms);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -1,0 +1,103 @@
+#pragma once
+// Survivors never exit. Under fsdprun --restart_mode auto (the default), when a worker of the
+// job fails (on this node or another, or is named stuck by the hang watchdog), the agents kill
+// only that worker: the others' communicators are aborted, every blocked collective throws,
+// and each survivor re-forms in process: it joins the next round (its rank and the world stay;
+// the failed worker's new process fills its place), rebuilds its communicators and FSDP's
+// state, and restores the newest snapshot every rank holds (its own piece from its agent's
+// memory). What a new process pays (start-up, LibTorch, data, the model) only the replaced
+// worker pays. fsdp::Trainer does all of it; a hand-written loop does this:
+//
+//   auto rt = fsdp::init();
+//   fsdp::FullyShardedDataParallel model(net, rt->comm(), options);
+//   torch::optim::Adam optimizer(model->parameters());
+//   auto snapshots = std::make_unique<fsdp::Snapshotter>(*rt);
+//   auto resumed = snapshots->restore(model, &optimizer);        // a new process starts here
+//   fsdp::ReformScope scope(*rt);                                 // survivable from here on
+//   for (;;) {
+//     try {
+//       ... the steps, snapshots->step(...) and snapshots->save(...) after each ...
+//       break;
+//     } catch (const std::exception& e) {
+//       if (!fsdp::reformPending(*rt)) throw;                     // this process's own failure
+//       fsdp::reform(*rt, model);                                 // the new round
+//       snapshots.reset();                                        // (detach() first: reform does)
+//       snapshots = std::make_unique<fsdp::Snapshotter>(*rt);    // as a new process does
+//       resumed = snapshots->restore(model, &optimizer);         // else: throw (process restart)
+//       fsdp::reformDone(*rt);
+//     }
+//   }
+//
+// The contract: between building the FSDP model and the restore, a survivor issues exactly the
+// collectives a new process issues there (reform() replays FSDP's constructor's; the program
+// repeats what it does after it: the Snapshotter, the restore). Training resumes from the
+// restored step on every rank: the survivor's loop must take the step, the data position and
+// the RNG from what restore() returned, as a new process does.
+//
+// What still restarts processes (the agent says why in one line): the failed process itself; a
+// worker outside a ReformScope (a PyTorch script, a program that does not use this) or already
+// re-forming (a second failure during a re-formation); a new round in which this worker's rank
+// or the world size changed (a node lost or added); HYBRID_SHARD's extra groups; a re-formation
+// that fails (reform() or the restore throws: the process ends, the agent starts a new one).
+
+#include <chrono>
+#include <string>
+
+#include "fsdp/common/error.hpp"
+#include "fsdp/worker/fsdp.hpp"
+#include "fsdp/worker/runtime.hpp"
+
+namespace fsdp::worker {
+
+// This process cannot re-form in process (the world changed shape, the model uses groups the
+// runtime does not own, no control channel): let it end; the agent starts a new one.
+class ReformError : public Error {
+ public:
+  using Error::Error;
+};
+
+// While one lives, this process tells its agent that a failure elsewhere is survived here (a
+// loop that catches it and calls reform() runs). Nothing happens outside fsdprun's auto mode.
+class ReformScope {
+ public:
+  explicit ReformScope(Runtime& runtime);
+  ~ReformScope();
+  ReformScope(const ReformScope&) = delete;
+  ReformScope& operator=(const ReformScope&) = delete;
+
+ private:
+  bool active_ = false;
+};
+
+// After a step threw: whether the world is re-forming (the agent's notice came). When the error
+// came from a collective (a peer died, and this rank saw it first), waits up to `bound` for the
+// notice; an error of this process's own returns false at once.
+bool reformPending(Runtime& runtime, std::chrono::milliseconds bound = std::chrono::seconds(30));
+
+struct ReformInfo {
+  int round = 0;         // the new round
+  int restartCount = 0;  // TORCHELASTIC_RESTART_COUNT now
+  double ms = 0;         // from the call to the communicators rebuilt and FSDP's collectives done
+  std::string why;       // the agent's reason for ending the round
+};
+
+// The new round: waits for it (the agent sends it once every node has joined), takes its
+// environment, rebuilds the runtime's communicators and the store connection where it moved,
+// drops what the interrupted step left in `model`, and issues FSDP's collectives of
+// construction with the round's new processes. Throws ReformError when this process cannot go
+// on (see above), other errors when the new round fails; either way the process should end.
+ReformInfo reform(Runtime& runtime, FullyShardedDataParallel& model);
+
+// Training resumed after reform() and the restore: a failure elsewhere is survived again.
+void reformDone(Runtime& runtime);
+
+}  // namespace fsdp::worker
+
+namespace fsdp {
+using worker::reform;
+using worker::reformDone;
+using worker::ReformError;
+using worker::ReformInfo;
+using worker::reformPending;
+using worker::ReformScope;
+}  // namespace fsdp
