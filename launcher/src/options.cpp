@@ -108,6 +108,11 @@ const Spec kSpecs[] = {
      "Memory this node may hold in in-memory snapshots of its workers and its peer's (512M, 4G; "
      "0 = no snapshots; default: a quarter of the RAM). Kept only with --max_restarts > 0",
      kLaunch},
+    {"restart_mode", "--restart_mode,--restart-mode",
+     "How workers recover from a failure elsewhere: auto (default): a worker of a libfsdp program "
+     "that is training re-forms in process (its communicators rebuilt, its state from its own "
+     "snapshot) and only the failed worker starts again; process: every worker starts again",
+     kLaunch},
     {"standby", "--standby",
      "Keep a spare of each worker waiting in fsdp::init() (libfsdp programs), so that a restart "
      "skips the program's start-up. Needs --max_restarts > 0",
@@ -433,6 +438,12 @@ ParseResult parseCommandLine(int argc, const char* const* argv, const EnvLookup&
     o.warnings.push_back("--logs_specs '" + text["logs_specs"] +
                          "': ignored (a torchrun LogsSpecs plugin class; --log_dir, --redirects and --tee say "
                          "where worker logs go)");
+  }
+  if (const auto& mode = text["restart_mode"]; !mode.empty()) {
+    if (mode != "auto" && mode != "process") {
+      throw ConfigError("--restart_mode '" + mode + "': expected auto or process");
+    }
+    o.restartMode = mode;
   }
   if (const auto& numa = text["numa_binding"]; !numa.empty()) {
     if (numa != "node" && numa != "socket" && numa != "exclusive" && numa != "core-complex") {

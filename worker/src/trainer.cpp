@@ -387,8 +387,13 @@ FitResult Trainer::fitRound(const Dataset& train, const Dataset* eval, const Ref
     }
     d.writeMetrics(line);
   }
-  // From here on a failure elsewhere is survived in process (the agent is told).
-  const ReformScope survivable(d.runtime);
+  // From here on a failure elsewhere is survived in process (the agent is told), where a
+  // re-formation can bring this state back: a snapshot or a checkpoint to restore, a model over
+  // the runtime's own communicators.
+  std::optional<ReformScope> survivable;
+  if (((d.snapshots && d.snapshots->enabled()) || d.checkpointer) && canReform(d.runtime, d.model)) {
+    survivable.emplace(d.runtime);
+  }
 
   // A step resumed from a snapshot may have no disk checkpoint yet: only a disk resume counts.
   std::optional<std::int64_t> lastSaved =

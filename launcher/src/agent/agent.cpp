@@ -40,7 +40,7 @@ void Agent::startStandby(const Assignment& a, const std::string& runDir, const d
   const std::string attemptDir = runDir + "/attempt_" + std::to_string(next.restartCount);
   try {
     standby_ = std::make_unique<detail::WorkerGroup>(workerSpecs(next, attemptDir), output, attemptDir, guardian_,
-                                                     /*standby=*/true);
+                                                     /*standby=*/true, reformMode());
   } catch (const Error& e) {
     log::warn("--standby: cannot start the standby workers ({}); a restart starts new ones", e.what());
   }
@@ -103,7 +103,14 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
                                      .localRanksFilter = options_.localRanksFilter};
   auto specs = workerSpecs(a, attemptDir);
   std::unique_ptr<detail::WorkerGroup> standing;
-  if (standby_) {
+  const std::size_t keptNow = kept_ ? keptRanks_.size() : 0;
+  if (kept_) standing = reformKept(a, specs, attemptDir);
+  if (metrics_ && a.restartCount > 0) {
+    metrics_->recovered("process", static_cast<int>(specs.size() - (standing ? std::min(keptNow, specs.size()) : 0)));
+  }
+  if (standing) {
+    standby_.reset();  // the survivors are the round's workers: no spares needed for it
+  } else if (standby_) {
     std::string why;
     if (standby_->activate(specs, why)) {
       standing = std::move(standby_);
@@ -113,7 +120,10 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
     }
     standby_.reset();
   }
-  if (!standing) standing = std::make_unique<detail::WorkerGroup>(std::move(specs), output, attemptDir, guardian_);
+  if (!standing) {
+    standing = std::make_unique<detail::WorkerGroup>(std::move(specs), output, attemptDir, guardian_, /*standby=*/false,
+                                                     reformMode());
+  }
   detail::WorkerGroup& group = *standing;
   auto watchdog = detail::startHangWatchdog(options_, a, group,
                                             {node_, storeHost_, storePort_, options_.rdzvId, token_});
@@ -134,9 +144,11 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
   std::optional<Verdict> verdict;
   std::optional<int> stopSignal;
   auto killAt = Clock::time_point::max();
+  // --restart_mode auto: the local ranks that survive this round's end in process (not stopped).
+  std::set<int> keep;
   // Signals the workers once; the shutdown timeout starts with the first stop.
   const auto stopGroup = [&](int sig) {
-    group.signalAll(sig);
+    group.signalAll(sig, keep);
     if (sig != SIGTERM || stopSignal) standby_.reset();  // a stop of the job: no restart to wait for
     if (state == State::kStopping) return;
     state = State::kStopping;
@@ -163,6 +175,7 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
         } else {
           log::warn("received {}: stopping the workers", signalName(sig));
           stopSignal = sig;
+          keep.clear();  // the job stops: every worker
           stopGroup(sig);
         }
       } else {
@@ -172,6 +185,10 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
 
     for (const auto& exit : group.reap()) {
       if (exit.status != 0) ++failedWorkers;
+      if (keep.erase(exit.localRank) > 0) {
+        log::warn("rank {} (pid {}) exited ({}) instead of re-forming in process: it starts again as a process",
+                  exit.rank, exit.pid, describeWaitStatus(exit.status));
+      }
       if (state != State::kRunning || exit.status == 0) continue;
       Failure f{.rank = exit.rank,
                 .localRank = exit.localRank,
@@ -194,6 +211,7 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
       } catch (const Error& e) {
         lost_ = e.what();
       }
+      keep = keepSurvivors(group, reason, {exit.localRank});
       stopGroup(SIGTERM);
     }
     if (watchdog) {
@@ -209,7 +227,13 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
         } catch (const Error& e) {
           lost_ = e.what();
         }
-        stopGroup(SIGKILL);  // stuck: nothing to wait for
+        // The stuck ranks are killed: nothing to wait for. The others (auto mode) re-form.
+        std::set<int> stuck;
+        for (const auto& w : group.watched()) {
+          if (report->lagging.empty() || report->lagging.contains(w.rank)) stuck.insert(w.localRank);
+        }
+        keep = keepSurvivors(group, "the job hung: " + report->summary, stuck);
+        stopGroup(SIGKILL);
       }
     }
     if (state == State::kRunning && group.running() == 0) {
@@ -245,15 +269,21 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
     if (!verdict && lost_) {
       verdict = Verdict{Verdict::kServerLost, "lost the rendezvous server " + endpointName() + ": " + *lost_, ""};
     }
-    if (verdict && state == State::kRunning) stopGroup(SIGTERM);
+    if (verdict && state == State::kRunning) {
+      // The round ended elsewhere (a worker or node lost there, a hang declared there).
+      if (verdict->kind == Verdict::kRestart || verdict->kind == Verdict::kServerLost) {
+        keep = keepSurvivors(group, verdict->reason, {});
+      }
+      stopGroup(SIGTERM);
+    }
 
     if (Clock::now() >= killAt && group.running() > 0) {
       log::warn("{} worker(s) still running {} ms after the stop signal: sending SIGKILL",
                 group.running(), options_.shutdownTimeout.count());
-      group.signalAll(SIGKILL);
+      group.signalAll(SIGKILL, keep);
       killAt = Clock::time_point::max();
     }
-    if (group.running() > 0) continue;
+    if (group.running(keep) > 0) continue;
     if (metrics_) metrics_->roundEnded(failedWorkers);
     if (stopSignal) {
       return ended(128 + *stopSignal, "received " + signalName(*stopSignal) + ": stopped every worker");
@@ -273,6 +303,10 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
           }
         }
         log::warn("restarting the workers: {}", verdict->reason);
+        if (!keep.empty()) {
+          kept_ = std::move(standing);
+          keptRanks_ = std::move(keep);
+        }
         return std::nullopt;
       case Verdict::kFinished: return ended(0, verdict->reason);
       case Verdict::kFailed: return ended(1, verdict->reason, verdict->failure);
@@ -280,6 +314,10 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
       case Verdict::kServerLost:
         // joinRound moves the run to a successor, or ends it when none answers.
         log::warn("{}: this node's workers are stopped", verdict->reason);
+        if (!keep.empty()) {
+          kept_ = std::move(standing);
+          keptRanks_ = std::move(keep);
+        }
         return std::nullopt;
     }
   }

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <variant>
 #include <vector>
@@ -117,6 +118,18 @@ class Agent {
   // --standby: the workers of the next restart, waiting in fsdp::init() (after guardian_, so
   // that they are stopped before it goes).
   std::unique_ptr<detail::WorkerGroup> standby_;
+  // --restart_mode auto: the workers kept alive across the round that just ended, waiting in
+  // their re-formation for the next one (agent_reform.cpp), and their local ranks.
+  std::unique_ptr<detail::WorkerGroup> kept_;
+  std::set<int> keptRanks_;
+  bool reformMode() const { return options_.restartMode == "auto"; }
+  // The workers of round `a`: the kept ones re-formed in process and the others started anew,
+  // or nullptr (kept_ then gone) when the round does not let them keep their ranks.
+  std::unique_ptr<detail::WorkerGroup> reformKept(const Assignment& a, const std::vector<detail::WorkerSpec>& specs,
+                                                  const std::string& attemptDir);
+  // The round ends with a failure elsewhere: which local workers go on in process (told to abort
+  // their communicators); the others are to be stopped. None outside auto mode.
+  std::set<int> keepSurvivors(detail::WorkerGroup& group, const std::string& why, const std::set<int>& stuck);
   std::string address_;  // this node's address for the others
   std::string node_;
   // This agent, among agents that may share node_ and address_ (agent_support.hpp).

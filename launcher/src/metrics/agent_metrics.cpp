@@ -65,6 +65,11 @@ void AgentMetrics::hangReported() {
   watchdog_ = "reported";
 }
 
+void AgentMetrics::recovered(const std::string& path, int workers) {
+  std::scoped_lock lock(mutex_);
+  (path == "in_process" ? recoveredInProcess_ : recoveredAsProcess_) += workers;
+}
+
 void AgentMetrics::roundEnded(int failed) {
   std::scoped_lock lock(mutex_);
   ended_ = true;
@@ -218,6 +223,15 @@ std::string AgentMetrics::render() const {
       labels.push_back({"state", state});
       out.sample(labels, count);
     }
+  }
+  out.family("fsdprun_node_worker_recoveries_total", "counter",
+             "Workers of this node that went on after a failure, by path: in_process (re-formed, the "
+             "process kept: --restart_mode auto) or process (started anew)");
+  for (const auto& [path, count] : {std::pair<const char*, int>{"in_process", recoveredInProcess_},
+                                    std::pair<const char*, int>{"process", recoveredAsProcess_}}) {
+    auto labels = node;
+    labels.push_back({"path", path});
+    out.sample(labels, count);
   }
   out.family("fsdprun_node_hang_watchdog", "gauge",
              "The hang watchdog's state: watching (a round runs), reported (it found a hang), off");

@@ -28,6 +28,9 @@ class AgentMetrics {
                     const char* watchdog);
   // The hang watchdog reported a hang (the round ends with it).
   void hangReported();
+  // After a failure, `workers` of this node went on by `path`: "in_process" (re-formed, their
+  // processes kept) or "process" (started anew).
+  void recovered(const std::string& path, int workers);
   // The round's workers are all gone; `failed`: how many of them failed.
   void roundEnded(int failed);
   void setNode(std::string node);
@@ -48,6 +51,8 @@ class AgentMetrics {
   std::string watchdog_ = "off";
   bool ended_ = false;
   int failed_ = 0;
+  int recoveredInProcess_ = 0;
+  int recoveredAsProcess_ = 0;
   std::vector<WatchedWorker> workers_;
   const rendezvous::StoreServer* server_ = nullptr;
   const SnapshotKeeper* keeper_ = nullptr;

@@ -2,12 +2,14 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <array>
 #include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <fstream>
@@ -69,18 +71,27 @@ std::optional<std::string> readErrorFile(const std::string& path) {
 }
 
 WorkerGroup::WorkerGroup(std::vector<WorkerSpec> specs, const OutputOptions& output,
-                         std::string attemptDir, Guardian& guardian, bool standby)
-    : output_(output), attemptDir_(std::move(attemptDir)), guardian_(guardian) {
+                         std::string attemptDir, Guardian& guardian, bool standby, bool control)
+    : output_(output), attemptDir_(std::move(attemptDir)), guardian_(guardian), control_(control) {
   workers_.reserve(specs.size());
   if (::pipe2(lifelineNews_, O_CLOEXEC | O_NONBLOCK) != 0) throwErrno("pipe2 for the workers' lifelines", errno);
   for (auto& spec : specs) {
-    std::error_code ec;
-    std::filesystem::create_directories(dirOf(spec.localRank), ec);
-    if (ec) {
-      throw Error("creating the worker directory " + dirOf(spec.localRank) + ": " + ec.message());
-    }
     Worker& w = workers_.emplace_back();
     w.spec = std::move(spec);
+    spawn(workers_.size() - 1, standby);
+  }
+}
+
+void WorkerGroup::spawn(std::size_t index, bool standby) {
+  Worker& w = workers_[index];
+  {
+    std::error_code ec;
+    std::filesystem::create_directories(dirOf(w.spec.localRank), ec);
+    if (ec) {
+      throw Error("creating the worker directory " + dirOf(w.spec.localRank) + ": " + ec.message());
+    }
+  }
+  {
     SpawnOptions spawn{.argv = w.spec.argv, .env = w.spec.env};
     if (!w.spec.cpus.empty()) {
       cpu_set_t set;
@@ -134,7 +145,6 @@ WorkerGroup::WorkerGroup(std::vector<WorkerSpec> specs, const OutputOptions& out
     } catch (const Error& e) {
       log::debug("no Python stacks for local rank {} ({})", w.spec.localRank, e.what());
     }
-    const std::size_t index = workers_.size() - 1;
     if (index < 256) {
       try {
         w.lifeline = std::make_unique<LifelineWatch>(lifelineNews_[1], static_cast<unsigned char>(index));
@@ -146,6 +156,28 @@ WorkerGroup::WorkerGroup(std::vector<WorkerSpec> specs, const OutputOptions& out
                    e.what());
       }
     }
+    int controlEnd = -1;
+    if (control_) {
+      // The worker's control channel (worker/src/reform/control.hpp): one JSON object a packet.
+      std::array<int, 2> pair{};
+      if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair.data()) == 0) {
+        w.control = pair[0];
+        w.ready = false;
+        ::fcntl(w.control, F_SETFL, ::fcntl(w.control, F_GETFL) | O_NONBLOCK);
+        controlEnd = ::fcntl(pair[1], F_DUPFD, 3);  // crosses exec
+        ::close(pair[1]);
+        if (controlEnd >= 0) spawn.env.push_back("FSDPRUN_CONTROL_FD=" + std::to_string(controlEnd));
+      } else {
+        log::debug("no control channel for local rank {} ({}): it restarts as a process", w.spec.localRank,
+                   std::strerror(errno));
+      }
+    }
+    struct CloseControl {
+      int& fd;
+      ~CloseControl() {
+        if (fd >= 0) ::close(fd);
+      }
+    } controlCloser{controlEnd};
     if (standby) {
       std::array<int, 2> fds{};
       if (::pipe2(fds.data(), O_CLOEXEC) != 0) throwErrno("pipe2 for a standby worker", errno);
@@ -163,6 +195,7 @@ WorkerGroup::WorkerGroup(std::vector<WorkerSpec> specs, const OutputOptions& out
 WorkerGroup::~WorkerGroup() {
   for (auto& w : workers_) {
     if (w.activation >= 0) ::close(w.activation);
+    if (w.control >= 0) ::close(w.control);
     for (Stream* s : {&w.out, &w.err}) {
       if (s->fd >= 0) ::close(s->fd);
       if (s->fileFd >= 0) ::close(s->fileFd);
@@ -215,6 +248,7 @@ void WorkerGroup::addPollFds(std::vector<pollfd>& fds) const {
     for (const Stream* s : {&w.out, &w.err}) {
       if (s->fd >= 0) fds.push_back({s->fd, POLLIN, 0});
     }
+    if (w.control >= 0) fds.push_back({w.control, POLLIN, 0});
   }
 }
 
@@ -224,6 +258,7 @@ void WorkerGroup::pump(const std::vector<pollfd>& fds) {
     for (auto& w : workers_) {
       if (w.out.fd == p.fd) readStream(w, w.out);
       if (w.err.fd == p.fd) readStream(w, w.err);
+      if (w.control == p.fd) readControl(w);
     }
   }
 }
@@ -341,18 +376,18 @@ std::vector<WorkerExit> WorkerGroup::reap() {
   return exits;
 }
 
-void WorkerGroup::signalAll(int sig) {
+void WorkerGroup::signalAll(int sig, const std::set<int>& spare) {
   const bool stop = sig == SIGTERM || sig == SIGINT || sig == SIGHUP || sig == SIGQUIT;
   for (auto& w : workers_) {
-    if (!w.process || w.process->reaped()) continue;
+    if (!w.process || w.process->reaped() || spare.contains(w.spec.localRank)) continue;
     w.process->signal(sig);
     if (stop) w.process->signal(SIGCONT);
   }
 }
 
-std::size_t WorkerGroup::running() const {
+std::size_t WorkerGroup::running(const std::set<int>& besides) const {
   std::size_t n = 0;
-  for (const auto& w : workers_) n += w.process && !w.reported ? 1 : 0;
+  for (const auto& w : workers_) n += w.process && !w.reported && !besides.contains(w.spec.localRank) ? 1 : 0;
   return n;
 }
 
@@ -387,19 +422,42 @@ std::string WorkerGroup::stderrTail(int localRank) const {
   return {};
 }
 
+std::map<std::string, std::string> envMap(const std::vector<std::string>& env) {
+  std::map<std::string, std::string> m;
+  for (const auto& e : env) {
+    const auto eq = e.find('=');
+    m[e.substr(0, eq)] = eq == std::string::npos ? "" : e.substr(eq + 1);
+  }
+  return m;
+}
+
+std::string identityChange(const std::map<std::string, std::string>& was, const std::map<std::string, std::string>& now,
+                           const std::vector<const char*>& keys, int localRank) {
+  for (const char* key : keys) {
+    const auto a = was.find(key);
+    const auto b = now.find(key);
+    if ((a == was.end()) != (b == now.end()) || (a != was.end() && a->second != b->second)) {
+      return std::string(key) + " of local rank " + std::to_string(localRank) + " is now " +
+             (b == now.end() ? "unset" : b->second) + ", not " + (a == was.end() ? "unset" : a->second);
+    }
+  }
+  return "";
+}
+
+nlohmann::json envChanges(const std::map<std::string, std::string>& was, const std::map<std::string, std::string>& now) {
+  nlohmann::json env = nlohmann::json::object();
+  for (const auto& [key, value] : now) {
+    const auto a = was.find(key);
+    if (a == was.end() || a->second != value) env[key] = value;
+  }
+  return env;
+}
+
 bool WorkerGroup::activate(const std::vector<WorkerSpec>& specs, std::string& why) {
   // What makes a worker who it is: a standby started as another is of no use.
-  static const char* const kIdentity[] = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                                          "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE",
-                                          "ROLE_NAME", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE"};
-  const auto asMap = [](const std::vector<std::string>& env) {
-    std::map<std::string, std::string> m;
-    for (const auto& e : env) {
-      const auto eq = e.find('=');
-      m[e.substr(0, eq)] = eq == std::string::npos ? "" : e.substr(eq + 1);
-    }
-    return m;
-  };
+  static const std::vector<const char*> kIdentity = {
+      "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+      "ROLE_WORLD_SIZE", "ROLE_NAME", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE"};
   if (specs.size() != workers_.size()) {
     why = std::to_string(specs.size()) + " workers now, " + std::to_string(workers_.size()) + " standbys";
     return false;
@@ -416,23 +474,11 @@ bool WorkerGroup::activate(const std::vector<WorkerSpec>& specs, std::string& wh
       why = "local rank " + std::to_string(specs[i].localRank) + " runs another command";
       return false;
     }
-    const auto was = asMap(w.spec.env);
-    const auto now = asMap(specs[i].env);
-    for (const char* key : kIdentity) {
-      const auto a = was.find(key);
-      const auto b = now.find(key);
-      if ((a == was.end()) != (b == now.end()) || (a != was.end() && a->second != b->second)) {
-        why = std::string(key) + " of local rank " + std::to_string(specs[i].localRank) + " is now " +
-              (b == now.end() ? "unset" : b->second) + ", not " + (a == was.end() ? "unset" : a->second);
-        return false;
-      }
-    }
-    nlohmann::json env = nlohmann::json::object();
-    for (const auto& [key, value] : now) {
-      const auto a = was.find(key);
-      if (a == was.end() || a->second != value) env[key] = value;
-    }
-    messages.push_back(nlohmann::json{{"env", env}}.dump() + "\n");
+    const auto was = envMap(w.spec.env);
+    const auto now = envMap(specs[i].env);
+    why = identityChange(was, now, kIdentity, specs[i].localRank);
+    if (!why.empty()) return false;
+    messages.push_back(nlohmann::json{{"env", envChanges(was, now)}}.dump() + "\n");
   }
   for (std::size_t i = 0; i < workers_.size(); ++i) {
     auto& w = workers_[i];

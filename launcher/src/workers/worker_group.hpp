@@ -9,6 +9,8 @@
 
 #include <chrono>
 #include <deque>
+#include <map>
+#include <nlohmann/json.hpp>
 #include <memory>
 #include <optional>
 #include <set>
@@ -68,8 +70,12 @@ class WorkerGroup {
   // `standby`: the workers are spares for a later round. Each gets FSDPRUN_STANDBY_FD, a pipe on
   // which fsdp::init() waits (the program has loaded, read its data, whatever it does before
   // init()); activate() hands them their round. Their output stays in its pipes until then.
+  //
+  // `control`: each worker gets FSDPRUN_CONTROL_FD, its control channel (--restart_mode auto;
+  // worker/src/reform/control.hpp): a libfsdp program that is training says so on it, and may
+  // then survive a failure elsewhere in process (reformable(), notifyAbort(), reform()).
   WorkerGroup(std::vector<WorkerSpec> specs, const OutputOptions& output, std::string attemptDir,
-              Guardian& guardian, bool standby = false);
+              Guardian& guardian, bool standby = false, bool control = false);
   ~WorkerGroup();
   WorkerGroup(const WorkerGroup&) = delete;
   WorkerGroup& operator=(const WorkerGroup&) = delete;
@@ -85,10 +91,23 @@ class WorkerGroup {
   std::vector<WorkerExit> reap();
   // Sends `sig` to every running worker's process group; after a stop signal also SIGCONT, so
   // that a stopped worker can act on it.
-  void signalAll(int sig);
+  void signalAll(int sig, const std::set<int>& spare = {});
   // Workers not reaped yet (one that has begun to exit still counts: its memory, a GPU's
-  // included, is not free before it is reaped).
-  std::size_t running() const;
+  // included, is not free before it is reaped), besides the local ranks `besides`.
+  std::size_t running(const std::set<int>& besides = {}) const;
+
+  // In-process re-formation (worker_control.cpp). The local ranks running whose program says it
+  // survives a failure elsewhere (a libfsdp loop in a ReformScope, not re-forming already).
+  std::set<int> reformable() const;
+  std::set<int> runningLocalRanks() const;
+  // Tells these workers that the round ended: they abort their communicators and wait.
+  void notifyAbort(const std::set<int>& localRanks, const std::string& why);
+  // The new round: each of `kept` (still running) gets what changed in its environment and goes
+  // on in process; every other worker of `specs` starts as a new process, its files under
+  // `attemptDir`. False, with `why` and nothing done, when a kept worker's identity (rank, world)
+  // differs in `specs`: the caller then stops the group and starts a new one.
+  bool reform(const std::vector<WorkerSpec>& specs, const std::set<int>& kept, const std::string& attemptDir,
+              std::string& why);
   std::vector<pid_t> pids() const;
   std::vector<WatchedWorker> watched() const;
 
@@ -124,10 +143,15 @@ class WorkerGroup {
     bool reported = false;         // reaped
     bool exitTold = false;         // its exit is in a reap() result already
     int activation = -1;           // a standby's pipe (write end) until activate()
+    int control = -1;              // the control channel (agent's end), -1: none
+    bool ready = false;            // it said it survives a failure elsewhere in process
     std::unique_ptr<LifelineWatch> lifeline;
     std::shared_ptr<flight::RingMemory> flight;
     std::shared_ptr<PyStackFile> pystacks;
   };
+  // Starts workers_[index] from its spec (the constructor, and reform() for a worker replaced).
+  void spawn(std::size_t index, bool standby);
+  void readControl(Worker& w);
   void setUpStream(Worker& w, Stream& s, int bit, SpawnOptions& spawn);
   void readStream(Worker& w, Stream& s);
   void keepTail(Worker& w, const char* data, std::size_t n);
@@ -140,8 +164,16 @@ class WorkerGroup {
   OutputOptions output_;
   std::string attemptDir_;
   Guardian& guardian_;
+  bool control_ = false;
   int lifelineNews_[2] = {-1, -1};  // a pipe: each watcher writes its worker's index
 };
+
+// A worker's environment ("KEY=VALUE" lines) as a map; the first of `keys` whose value differs
+// between two (one line naming it, "" when none does); what `now` sets differently from `was`.
+std::map<std::string, std::string> envMap(const std::vector<std::string>& env);
+std::string identityChange(const std::map<std::string, std::string>& was, const std::map<std::string, std::string>& now,
+                           const std::vector<const char*>& keys, int localRank);
+nlohmann::json envChanges(const std::map<std::string, std::string>& was, const std::map<std::string, std::string>& now);
 
 // The message in a torchrun-style error file: {"message": "..."} or
 // {"message": {"message": "...", "extraInfo": {"py_callstack": "..."}}}. nullopt when the

@@ -114,20 +114,31 @@ bool reformPending(Runtime& runtime, std::chrono::milliseconds bound) {
   return control.awaitAbort(bound);
 }
 
+namespace {
+
+// Why `model` cannot go through a re-formation ("" when it can).
+std::string whyNot(Runtime& runtime, FullyShardedDataParallel& model) {
+  if (!detail::ReformControl::process().active()) return "no agent control channel (not under fsdprun --restart_mode auto)";
+  auto& state = detail::RuntimeReform::state(model);
+  if (state.options_.shardGroup != nullptr || state.options_.replicateGroup != nullptr) {
+    return "the model's HYBRID_SHARD groups are the program's, not the runtime's: they cannot be rebuilt here";
+  }
+  if (&state.comm_ != &runtime.comm()) return "the model's communicator is not the runtime's comm(): it cannot be rebuilt here";
+  return "";
+}
+
+}  // namespace
+
+bool canReform(Runtime& runtime, FullyShardedDataParallel& model) { return whyNot(runtime, model).empty(); }
+
 ReformInfo reform(Runtime& runtime, FullyShardedDataParallel& model) {
   auto& control = detail::ReformControl::process();
-  if (!control.active()) throw ReformError("no agent control channel (not under fsdprun --restart_mode auto)");
+  if (const auto why = whyNot(runtime, model); !why.empty()) throw ReformError(why);
   const auto start = detail::Clock::now();
   control.setReforming(true);
   ReformInfo info;
   info.why = control.abortReason();
   auto& state = detail::RuntimeReform::state(model);
-  if (state.options_.shardGroup != nullptr || state.options_.replicateGroup != nullptr) {
-    throw ReformError("the model's HYBRID_SHARD groups are the program's, not the runtime's: they cannot be rebuilt here");
-  }
-  if (&state.comm_ != &runtime.comm()) {
-    throw ReformError("the model's communicator is not the runtime's comm(): it cannot be rebuilt here");
-  }
   // Whatever the interrupted step left goes before its communicators do.
   state.abandonAfterAbort();
   std::string why;

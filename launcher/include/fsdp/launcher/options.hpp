@@ -57,6 +57,9 @@ struct LaunchOptions {
   // Spare workers started ahead of a restart: each waits in fsdp::init() (program loaded, its
   // pre-init work done) and becomes the restarted worker when the group restarts as it was.
   bool standby = false;
+  // --restart_mode: "auto" (survivors of a failure elsewhere re-form in process where they can)
+  // or "process" (every worker starts again).
+  std::string restartMode = "auto";
   bool dryRun = false;
   bool noSlurm = false;
   // --numa_binding: "" (none), node, socket, exclusive or core-complex (numa_binding.hpp).

@@ -69,6 +69,11 @@ class ReformScope {
   bool active_ = false;
 };
 
+// Whether `model` can be carried through a re-formation here: under an agent's control channel,
+// and its collectives on the runtime's own communicator (not HYBRID_SHARD's groups, which the
+// program built). A loop enters its ReformScope only where this holds.
+bool canReform(Runtime& runtime, FullyShardedDataParallel& model);
+
 // After a step threw: whether the world is re-forming (the agent's notice came). When the error
 // came from a collective (a peer died, and this rank saw it first), waits up to `bound` for the
 // notice; an error of this process's own returns false at once.
@@ -94,6 +99,7 @@ void reformDone(Runtime& runtime);
 }  // namespace fsdp::worker
 
 namespace fsdp {
+using worker::canReform;
 using worker::reform;
 using worker::reformDone;
 using worker::ReformError;

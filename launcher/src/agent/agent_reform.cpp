@@ -1,0 +1,62 @@
+// --restart_mode auto (the default): survivors never exit. When a round ends with a failure
+// elsewhere, the workers that can re-form in process (their libfsdp loop told their control
+// channel so) are kept: told to abort their communicators, spared the stop signal, and handed
+// the next round, in which only the failed (or stuck) workers start as new processes. The
+// worker's side is worker/src/reform/.
+#include <algorithm>
+#include <string>
+
+#include "agent_state.hpp"
+#include "fsdp/common/log.hpp"
+
+namespace fsdp::launcher::detail {
+namespace {
+
+std::string rankList(const std::set<int>& localRanks, int offset) {
+  std::string out;
+  for (int r : localRanks) out += (out.empty() ? "" : ", ") + std::to_string(offset + r);
+  return out;
+}
+
+}  // namespace
+
+std::set<int> Agent::keepSurvivors(WorkerGroup& group, const std::string& why, const std::set<int>& stuck) {
+  // Without a restart left the job ends: nothing to re-form for.
+  if (!reformMode() || restarts_ >= options_.maxRestarts) return {};
+  std::set<int> keep = group.reformable();
+  for (int r : stuck) keep.erase(r);
+  const int offset = last_ ? last_->rankOffset : 0;
+  // What cannot survive in process says why, one line for them all.
+  std::set<int> others;
+  for (int r : group.runningLocalRanks()) {
+    if (!keep.contains(r) && !stuck.contains(r)) others.insert(r);
+  }
+  if (!keep.empty()) {
+    group.notifyAbort(keep, why);
+    log::info("rank(s) {} keep their processes and re-form in process", rankList(keep, offset));
+  }
+  if (!stuck.empty()) log::warn("rank(s) {} failed or are stuck: they start again as processes", rankList(stuck, offset));
+  if (!others.empty()) {
+    log::warn("rank(s) {} restart as processes: not in a training loop that re-forms in process (a program without "
+              "libfsdp's Trainer or ReformScope, a PyTorch script, still starting, or already re-forming)",
+              rankList(others, offset));
+  }
+  return keep;
+}
+
+std::unique_ptr<WorkerGroup> Agent::reformKept(const Assignment& a, const std::vector<WorkerSpec>& specs,
+                                               const std::string& attemptDir) {
+  std::unique_ptr<WorkerGroup> group = std::move(kept_);
+  const std::set<int> kept = std::exchange(keptRanks_, {});
+  std::string why;
+  if (!group->reform(specs, kept, attemptDir, why)) {
+    log::warn("round {}: the survivors cannot re-form in process ({}): they start again as processes", a.round, why);
+    return nullptr;  // stops them, with their group
+  }
+  log::warn("round {}: rank(s) {} re-form in process; {} worker(s) start as new processes", a.round,
+            rankList(kept, a.rankOffset), specs.size() - std::min(specs.size(), kept.size()));
+  if (metrics_) metrics_->recovered("in_process", static_cast<int>(kept.size()));
+  return group;
+}
+
+}  // namespace fsdp::launcher::detail

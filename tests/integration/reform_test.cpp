@@ -1,0 +1,209 @@
+// Survivors never exit (--restart_mode auto): the real launcher, the real mnist trainer, real
+// SIGKILLs from outside in the middle of a step. A 3-rank job whose rank 1 is killed ends with
+// the parameters of an uninterrupted run, in both modes, and in auto mode ranks 0 and 2 keep
+// their processes (their pids are read before the kill and after the re-formation); a second
+// kill while the survivors re-form falls back to process restarts; a hang kills the stuck rank
+// only. Every wait is on an event (a metrics line, a log line, a process), bounded.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <thread>
+
+#include "fsdp/common/process.hpp"
+#include "processes.hpp"
+#include "run_command.hpp"
+#include "summary_line.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using fsdp::testing::metricsLines;
+using fsdp::testing::readFile;
+using fsdp::testing::runCommand;
+using fsdp::testing::summaryOf;
+using fsdp::testing::TempDir;
+using nlohmann::json;
+using namespace std::chrono_literals;
+
+const std::string kBin = FSDP_BIN_DIR;
+const std::string kData = "/usr/share/datasets/fashion-mnist";
+constexpr int kSteps = 40;
+constexpr auto kBound = 240s;
+
+std::vector<std::string> job(const std::string& mode, const std::string& runId, const std::string& metrics,
+                             const std::vector<std::string>& extra = {}) {
+  std::vector<std::string> argv = {kBin + "/fsdprun", "--nproc_per_node", "3", "--max_restarts", "3",
+                                   "--restart_mode", mode, "--rdzv_id", runId, kBin + "/mnist",
+                                   "--max_steps", std::to_string(kSteps), "--batch_size", "96", "--no_eval",
+                                   "--progress", "none", "--log_every", "1", "--metrics_file", metrics};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  return argv;
+}
+
+// The job's workers by rank: processes carrying `tag` in their environment and a RANK.
+std::map<int, int> workersByRank(const std::string& tag) {
+  std::map<int, int> out;
+  for (const int pid : fsdp::testing::processesWithEnvironment(tag)) {
+    std::ifstream in("/proc/" + std::to_string(pid) + "/environ");
+    std::string entry;
+    while (std::getline(in, entry, '\0')) {
+      if (entry.rfind("RANK=", 0) == 0) out[std::stoi(entry.substr(5))] = pid;
+    }
+  }
+  return out;
+}
+
+// Waits until `ready()` holds, up to kBound; false when the job ended first or the bound passed.
+template <typename Ready>
+bool waitFor(fsdp::ChildProcess& job, Ready ready) {
+  const auto until = std::chrono::steady_clock::now() + kBound;
+  while (std::chrono::steady_clock::now() < until) {
+    if (ready()) return true;
+    if (job.tryWait()) return ready();
+    std::this_thread::sleep_for(20ms);  // a poll of files the job writes, not a wait for time to pass
+  }
+  return false;
+}
+
+int newestStep(const std::string& metrics) {
+  int step = 0;
+  for (const auto& line : metricsLines(metrics)) {
+    if (line.value("type", "") == "train") step = std::max(step, line.value("step", 0));
+  }
+  return step;
+}
+
+std::optional<json> resumeLine(const std::string& metrics) {
+  for (const auto& line : metricsLines(metrics)) {
+    if (line.value("type", "") == "resume") return line;
+  }
+  return std::nullopt;
+}
+
+struct Finished {
+  int exitCode = -1;
+  std::string out, err;
+};
+
+Finished finish(fsdp::ChildProcess& job, const TempDir& dir) {
+  const auto until = std::chrono::steady_clock::now() + kBound;
+  std::optional<int> status;
+  while (!(status = job.tryWait()) && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(20ms);
+  if (!status) job.signal(SIGKILL);
+  return {status && WIFEXITED(*status) ? WEXITSTATUS(*status) : -1, readFile(dir.path() + "/out"),
+          readFile(dir.path() + "/err")};
+}
+
+class Reform : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (!fs::exists(kData)) return;
+    TempDir dir;
+    auto argv = job("process", "reform-reference-" + std::to_string(::getpid()), dir.path() + "/m.jsonl");
+    const auto r = runCommand(argv, kBound);
+    ASSERT_EQ(r.exitCode, 0) << r.err;
+    reference_ = summaryOf(r.out).value("params_sha256", "");
+    ASSERT_FALSE(reference_.empty()) << r.out;
+  }
+  void SetUp() override {
+    if (!fs::exists(kData)) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  }
+
+  // Starts the job in the background, tagged so that its processes can be found.
+  fsdp::ChildProcess start(const std::vector<std::string>& argv, const std::string& tag, const TempDir& dir) {
+    std::vector<std::string> env;
+    for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
+    env.push_back(tag);
+    env.push_back("TMPDIR=" + dir.path());
+    return fsdp::ChildProcess::spawn(
+        {.argv = argv, .env = env, .stdoutPath = dir.path() + "/out", .stderrPath = dir.path() + "/err"});
+  }
+
+  static inline std::string reference_;
+};
+
+// Must-show 2: rank 1 SIGKILLed in the middle of a step; the same parameters in both modes as
+// an uninterrupted run; in auto mode the survivors' pids stay.
+TEST_F(Reform, ARankKilledMidStepEndsBitIdenticalInBothModesAndTheSurvivorsKeepTheirProcesses) {
+  for (const std::string mode : {"auto", "process"}) {
+    SCOPED_TRACE("--restart_mode " + mode);
+    TempDir dir;
+    const std::string runId = "reform-" + mode + "-" + std::to_string(::getpid());
+    const std::string tag = "FSDP_REFORM_TAG=" + runId;
+    const std::string metrics = dir.path() + "/m.jsonl";
+    auto proc = start(job(mode, runId, metrics), tag, dir);
+    ASSERT_TRUE(waitFor(proc, [&] { return newestStep(metrics) >= 10; })) << readFile(dir.path() + "/err");
+    const auto before = workersByRank(tag);
+    ASSERT_EQ(before.size(), 3u);
+    ::kill(before.at(1), SIGKILL);  // rank 0 logged step 10: every rank is in a later step
+    ASSERT_TRUE(waitFor(proc, [&] { return resumeLine(metrics).has_value(); })) << readFile(dir.path() + "/err");
+    const auto after = workersByRank(tag);
+    const auto r = finish(proc, dir);
+    ASSERT_EQ(r.exitCode, 0) << r.err;
+    const auto summary = summaryOf(r.out);
+    EXPECT_EQ(summary.value("steps", 0), kSteps);
+    EXPECT_EQ(summary.value("params_sha256", ""), reference_) << r.out;
+    const auto resume = *resumeLine(metrics);
+    EXPECT_EQ(resume.value("source", ""), "memory");
+    if (mode == "auto") {
+      EXPECT_EQ(resume.value("path", ""), "in_process") << resume.dump();
+      ASSERT_EQ(after.size(), 3u);
+      EXPECT_EQ(after.at(0), before.at(0)) << "rank 0 kept its process";
+      EXPECT_EQ(after.at(2), before.at(2)) << "rank 2 kept its process";
+      EXPECT_NE(after.at(1), before.at(1)) << "rank 1 is a new process";
+      EXPECT_NE(r.err.find("rank(s) 0, 2 re-form in process; 1 worker(s) start as new processes"), std::string::npos)
+          << r.err;
+    } else {
+      EXPECT_EQ(resume.value("path", ""), "process") << resume.dump();
+      for (const auto& [rank, pid] : after) EXPECT_NE(pid, before.at(rank)) << "rank " << rank << " restarted";
+    }
+  }
+}
+
+// Must-show 4: a second kill while the survivors re-form (rank 2, once it dropped its step)
+// falls back to process restarts, and the job still ends as the uninterrupted run does.
+TEST_F(Reform, ASecondKillDuringTheReformationFallsBackToProcessRestartsAndTheJobFinishes) {
+  TempDir dir;
+  const std::string runId = "reform-second-" + std::to_string(::getpid());
+  const std::string tag = "FSDP_REFORM_TAG=" + runId;
+  const std::string metrics = dir.path() + "/m.jsonl";
+  auto proc = start(job("auto", runId, metrics), tag, dir);
+  ASSERT_TRUE(waitFor(proc, [&] { return newestStep(metrics) >= 10; })) << readFile(dir.path() + "/err");
+  const auto before = workersByRank(tag);
+  ASSERT_EQ(before.size(), 3u);
+  ::kill(before.at(1), SIGKILL);
+  ASSERT_TRUE(waitFor(proc, [&] {
+    return readFile(dir.path() + "/err").find("rank 2: the step in progress is dropped") != std::string::npos;
+  })) << readFile(dir.path() + "/err");
+  ::kill(before.at(2), SIGKILL);  // re-forming: waiting for the new round
+  const auto r = finish(proc, dir);
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_EQ(summaryOf(r.out).value("params_sha256", ""), reference_) << r.out;
+  EXPECT_EQ(summaryOf(r.out).value("steps", 0), kSteps);
+}
+
+// Must-show 4: a hang declared kills the stuck rank only; the others re-form in process.
+TEST_F(Reform, AHangKillsTheStuckRankAndTheOthersReformInProcess) {
+  TempDir dir;
+  const std::string runId = "reform-hang-" + std::to_string(::getpid());
+  const std::string metrics = dir.path() + "/m.jsonl";
+  auto argv = job("auto", runId, metrics, {"--fault_kill_at_step", "8", "--fault_kill_rank", "1", "--fault_kind", "loop"});
+  argv.insert(argv.begin() + 1, {"--hang_timeout", "3"});
+  const auto r = runCommand(argv, kBound, {"FSDP_REFORM_TAG=" + runId, "TMPDIR=" + dir.path()});
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_NE(r.err.find("rank(s) 1 failed or are stuck"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("rank(s) 0, 2 re-form in process"), std::string::npos) << r.err;
+  EXPECT_EQ(summaryOf(r.out).value("params_sha256", ""), reference_) << r.out;
+  const auto resume = resumeLine(metrics);
+  ASSERT_TRUE(resume.has_value());
+  EXPECT_EQ(resume->value("path", ""), "in_process");
+}
+
+}  // namespace
