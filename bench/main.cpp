@@ -148,10 +148,14 @@ int main(int argc, char** argv) {
        "and -> first new step; fsdprun's in-memory snapshots (1 agent x 2 workers, 2 agents x 1, agent "
        "kill in --nnodes 1:2: the peer copy) vs torchrun + DDP + torch.save every --checkpoint_every "
        "(10,50) steps (DeepNet), and the same DDP script under fsdprun with import fsdprun (restore, "
-       "snapshot every step); and the snapshots' per-step cost (libfsdp's and the Python module's), --snapshot_every 1 vs 0 (--models "
+       "snapshot every step); and the snapshots' per-step cost (libfsdp's and the Python module's), --snapshot_every 1 vs 0; "
+       "each fsdprun kill in both --restart_modes on the same kill (auto: the survivors re-form in process; process: "
+       "every worker starts again): the recovery overhead (kill -> first new step, less one median step) and "
+       "whether the survivors kept their pids (--models "
        "deep,gpt --steps 24 --batch_size 32 --reps 1 --seed N --torchrun 0|1 --standby 1|0 (fsdprun "
-       "--standby) --cases worker,agents_worker,agent,overhead)",
-       {"models", "steps", "batch_size", "reps", "seed", "torchrun", "standby", "cases", "checkpoint_every"},
+       "--standby, process mode) --restart_modes auto,process --cases worker,agents_worker,agent,overhead)",
+       {"models", "steps", "batch_size", "reps", "seed", "torchrun", "standby", "cases", "checkpoint_every",
+        "restart_modes"},
        recovery},
       {"hang",
        "a 3-rank DeepNet job whose rank 1 freezes after --stall_step (6): seconds from the stall to "

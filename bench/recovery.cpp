@@ -66,6 +66,18 @@ void killFigures(const Observed& seen, nlohmann::json& line) {
     if (!resume && l.value("type", "") == "resume" && t > killTime) resume = i;
   }
   line["step_ms"] = stepMs(seen.lines);
+  // The ranks that were not killed: how many kept their processes through the recovery.
+  if (seen.pidsAfterResume) {
+    int survivors = 0, kept = 0;
+    for (const auto& [rank, pid] : seen.pidsAtKill) {
+      if (rank == line.value("kill_rank_of_worker", -1)) continue;
+      ++survivors;
+      const auto it = seen.pidsAfterResume->find(rank);
+      kept += it != seen.pidsAfterResume->end() && it->second == pid ? 1 : 0;
+    }
+    line["survivors"] = survivors;
+    line["survivors_kept_pid"] = kept;
+  }
   if (!resume) {
     line["kill_step"] = before;
     line["error"] = "no resume line after the kill in the metrics file";
@@ -85,11 +97,16 @@ void killFigures(const Observed& seen, nlohmann::json& line) {
   // Of kill -> restored, the part inside the new worker process (its start-up and the restore).
   if (r.contains("process_age_s")) line["restored_at_process_age_s"] = r["process_age_s"];
   line["kill_to_restored_s"] = r.value("unix_time", 0.0) - killTime;
+  if (r.contains("path")) line["recovery_path"] = r["path"];  // rank 0's: in_process or process
   for (std::size_t i = *resume + 1; i < seen.lines.size(); ++i) {
     const auto& l = seen.lines[i];
     if (l.value("type", "") != "train") continue;
     if (!line.contains("kill_to_first_step_s")) {
       line["kill_to_first_step_s"] = l.value("unix_time", 0.0) - killTime;
+      // What the failure cost beyond the step it interrupted: kill -> first new step, less one
+      // median step.
+      const double stepS = line.value("step_ms", 0.0) / 1000.0;
+      line["recovery_overhead_s"] = line["kill_to_first_step_s"].get<double>() - stepS;
     }
     // Back where the job was: the first step beyond the last one completed before the kill.
     if (l.value("step", 0LL) > before) {
@@ -137,6 +154,9 @@ struct Config {
   std::string torchrun;  // path of torchrun_fixed
   bool peer = true;
   bool standby = true;  // fsdprun --standby: spare workers wait in fsdp::init() for a restart
+  // --restart_mode of each fsdprun run, on the same kills: auto (survivors re-form in process)
+  // and process (every worker starts again).
+  std::vector<std::string> restartModes = {"auto", "process"};
 };
 
 // The training program of `model` under fsdprun: a train line per step in `metrics`.
@@ -188,7 +208,7 @@ struct Layout {
 
 // fsdprun, one job: the metrics lines and when the kill was.
 Observed runOurs(const std::string& model, const Config& c, const Layout& layout, Kill kill,
-                 int snapshotEvery, KillAt at) {
+                 int snapshotEvery, KillAt at, const std::string& mode = "process") {
   RunDir dir;
   Launch launch{.runId = newRunId(), .metricsFile = dir.path() + "/metrics.jsonl"};
   launch.env = jobEnvironment(launch.runId);
@@ -210,8 +230,10 @@ Observed runOurs(const std::string& model, const Config& c, const Layout& layout
     return seen;
   };
   std::vector<std::string> common = {"--max_restarts", std::to_string(kMaxRestarts), "--rdzv_id",
-                                     launch.runId};
-  if (c.standby) common.push_back("--standby");
+                                     launch.runId, "--restart_mode", mode};
+  // The spares serve process restarts (auto mode keeps the survivors and starts the failed worker
+  // anew: spares would only compete for the cores).
+  if (c.standby && mode == "process") common.push_back("--standby");
   if (layout.agents == 1) {
     std::vector<std::string> argv = {fsdprun, "--standalone", "--nproc_per_node",
                                      std::to_string(layout.workersPerAgent)};
@@ -341,6 +363,13 @@ void recovery(const Args& args) {
     throw ConfigError("--standby '" + standbyFlag + "': expected 0 or 1");
   }
   c.standby = standbyFlag == "1";
+  c.restartModes = splitList(args.str("restart_modes", "auto,process"));
+  for (const auto& m : c.restartModes) {
+    if (m != "auto" && m != "process") {
+      throw ConfigError("--restart_modes '" + args.str("restart_modes", "") + "': expected auto and/or process");
+    }
+  }
+  if (c.restartModes.empty()) throw ConfigError("--restart_modes '': expected auto and/or process");
 
   std::mt19937_64 rng(seed);
   // The kill step: one per model and rep, the same for every case and both systems, drawn past
@@ -399,15 +428,20 @@ void recovery(const Args& args) {
           {"shrink4", {"4x1 agents", 4, 1, "3:4", kQuickRdzv}, Kill::kAgent, 1, 3}};
       for (const auto& k : kills) {
         if (!has(k.name)) continue;
+        // Both modes on the same kill: the same step, the same moment in it.
         const KillAt at{target, drawFraction(), k.rank};
+        std::map<std::string, double> overheadByMode;
+        for (const auto& mode : c.restartModes) {
         nlohmann::json line = modelBase;
         line.update({{"system", "fsdprun"},
+                     {"restart_mode", mode},
                      {"layout", k.layout.name},
                      {"agents", k.layout.agents},
                      {"workers_per_agent", k.layout.workersPerAgent},
                      {"kill", k.kill == Kill::kAgent ? "agent" : "worker"},
+                     {"kill_rank_of_worker", k.rank},
                      {"snapshot_every", 1},
-                     {"standby", c.standby}});
+                     {"standby", c.standby && mode == "process"}});
         if (k.layout.agents > 2) {
           line.update({{"case", k.name},
                        {"nnodes", k.layout.nnodes},
@@ -415,10 +449,21 @@ void recovery(const Args& args) {
                        {"kill_rank", k.rank},
                        {"world_size_before", k.layout.worldSize()}});
         }
-        auto seen = attempt([&] { return runOurs(model, c, k.layout, k.kill, 1, at); });
+        auto seen = attempt([&] { return runOurs(model, c, k.layout, k.kill, 1, at, mode); });
         if (k.layout.agents > 2) nodeFigures(k.layout.agentHosts, k.worldAfter, seen, line);
         line = report(line, seen, at);
-        if (std::string(k.name) == "worker") oursWorker = line;
+        if (std::string(k.name) == "worker" && !oursWorker) oursWorker = line;
+        if (line.contains("recovery_overhead_s")) overheadByMode[mode] = line["recovery_overhead_s"].get<double>();
+        }
+        if (overheadByMode.contains("auto") && overheadByMode.contains("process")) {
+          nlohmann::json compare = modelBase;
+          compare.update({{"compare", "recovery_overhead_s, process / auto (" + std::string(k.name) + ")"},
+                          {"layout", k.layout.name},
+                          {"overhead_s_auto", overheadByMode["auto"]},
+                          {"overhead_s_process", overheadByMode["process"]},
+                          {"ratio", overheadByMode["process"] / std::max(overheadByMode["auto"], 1e-3)}});
+          emit(compare);
+        }
       }
       if (has("overhead")) {
         // No kill: half the steps are enough for a median. Off and on alternate by rep, so that

@@ -15,6 +15,7 @@
 #include <cerrno>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -154,6 +155,23 @@ std::optional<std::pair<int, int>> findProcess(const std::vector<std::string>& e
   return std::nullopt;
 }
 
+// The workers of run `runId` under `roots`, by rank (the RANK they were started with).
+std::map<int, int> workerPids(const std::string& runId, const std::set<int>& roots) {
+  std::map<int, int> out;
+  for (const int pid : allPids()) {
+    if (roots.contains(pid)) continue;
+    const auto env = environOf(pid);
+    if (!hasEntries(env, {"TORCHELASTIC_RUN_ID=" + runId})) continue;
+    bool under = false;
+    for (int p = parentOf(pid), hops = 0; p > 1 && hops < 16 && !under; p = parentOf(p), ++hops) under = roots.contains(p);
+    if (!under) continue;
+    for (const auto& e : env) {
+      if (e.rfind("RANK=", 0) == 0) out[std::stoi(e.substr(5))] = pid;
+    }
+  }
+  return out;
+}
+
 // The 1-minute load average: how busy the machine was with other work when a figure was taken.
 double loadAverage() {
   std::ifstream in("/proc/loadavg");
@@ -283,6 +301,15 @@ Observed runJob(const Launch& launch, const RunDir& dir, Kill kill, KillAt at,
   };
   while (running() && Clock::now() < deadline) {
     metrics.wait(200ms);
+    if (seen.killUnixTime && !seen.pidsAfterResume) {
+      // Once the state is back: who runs each rank now (the survivors' pids, kept or not).
+      const double killTime = *seen.killUnixTime;
+      if (std::any_of(metrics.lines().begin(), metrics.lines().end(), [&](const nlohmann::json& l) {
+            return l.value("type", "") == "resume" && l.value("unix_time", 0.0) > killTime;
+          })) {
+        seen.pidsAfterResume = workerPids(launch.runId, roots);
+      }
+    }
     if (killed || metrics.lastTrainStep() < at.afterStep) continue;
     std::this_thread::sleep_for(
         std::chrono::duration<double, std::milli>(at.fractionOfStep * metrics.medianStepMs()));
@@ -295,6 +322,7 @@ Observed runJob(const Launch& launch, const RunDir& dir, Kill kill, KillAt at,
       break;
     }
     const auto [worker, agent] = *target;
+    seen.pidsAtKill = workerPids(launch.runId, roots);
     seen.killUnixTime = unixNow();
     if (kill == Kill::kWorker) {
       ::kill(worker, SIGKILL);

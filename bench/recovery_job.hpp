@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <nlohmann/json.hpp>
+#include <map>
 #include <optional>
 #include <string>
 #include <utility>
@@ -79,6 +80,9 @@ struct Observed {
   bool finished = false;               // every launcher not killed exited 0
   std::string error;                   // why not, or what went wrong on the way
   std::string logDir;                  // the launchers' output, where it was kept
+  // The workers' pids by rank just before the kill, and once rank 0 wrote its resume line.
+  std::map<int, int> pidsAtKill;
+  std::optional<std::map<int, int>> pidsAfterResume;
   // After an agent kill: the index of the launcher killed in Launch::agents.
   std::optional<std::size_t> killedLauncher;
   // The last JSON object a launcher not killed printed on stdout: the summary of the final rank 0

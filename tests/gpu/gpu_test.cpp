@@ -150,6 +150,50 @@ TEST(GpuNccl, BadInputsAreNamedBeforeAnythingRuns) {
   });
 }
 
+// Communicator::abort on a real device (an in-process re-formation, reform.hpp): an all-reduce
+// of 64 M floats issued, the communicator aborted at once (the operation in flight, or just
+// finished: its wait returns or throws CommAborted, never hangs); every later operation is
+// refused with CommAborted; a new communicator (the next round's id) steps again and sums right.
+TEST(GpuNccl, AnAbortWithAnOperationInFlightThenTheNextCommunicatorStepsAgain) {
+  SKIP_WITHOUT_GPU();
+  const int world = std::min(fw::cudaDeviceCount(), 4);
+  fsdp::rendezvous::StoreServer server(fsdp::rendezvous::ServerOptions{});
+  std::vector<std::future<std::string>> ranks;
+  for (int r = 0; r < world; ++r) {
+    ranks.push_back(std::async(std::launch::async, [&, r]() -> std::string {
+      const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(r));
+      const c10::DeviceGuard guard(device);
+      auto store = fsdp::rendezvous::StoreClient::connect("127.0.0.1", server.port(), {.timeout = 60s});
+      auto nccl = fw::createNcclCommunicator(
+          *store, {.rank = r, .size = world, .device = r, .storePrefix = "abort/round1", .timeout = 60s});
+      auto big = at::ones({64L << 20}, at::TensorOptions().device(device));
+      auto work = nccl->allReduce(big);
+      if (!nccl->abort("test: the round ended")) return "abort() said the device needs a new process";
+      try {
+        work.wait();
+      } catch (const fsdp::CommAborted&) {
+      } catch (const std::exception& e) {
+        return std::string("the operation in flight: another error than CommAborted: ") + e.what();
+      }
+      try {
+        nccl->allReduce(big).wait();
+        return "an operation after the abort was not refused";
+      } catch (const fsdp::CommAborted&) {
+      }
+      nccl.reset();
+      auto next = fw::createNcclCommunicator(
+          *store, {.rank = r, .size = world, .device = r, .storePrefix = "abort/round2", .timeout = 60s});
+      auto t = at::full({1000}, static_cast<float>(r + 1), at::TensorOptions().device(device));
+      next->allReduce(t).wait();
+      const float expected = static_cast<float>(world * (world + 1) / 2);
+      if (!at::equal(t.cpu(), at::full({1000}, expected))) return "the next communicator's sum is wrong";
+      next->barrier().wait();
+      return "";
+    }));
+  }
+  for (auto& f : ranks) EXPECT_EQ(f.get(), "");
+}
+
 // A small model trained for 3 steps with FSDP over NCCL must equal one process on the global
 // batch (the same model on this device), parameter by parameter. With `exactAtOneRank`, a world
 // of one rank must give the same bits: nothing is reduced across ranks, so FSDP may only move

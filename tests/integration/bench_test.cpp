@@ -68,26 +68,37 @@ TEST(FsdpBench, RecoveryResumesAKilledWorkerFromItsInMemorySnapshot) {
   // gpt at its bench size: a step takes tens of milliseconds (DeepNet's second is the bench's).
   const auto r = fsdp::testing::runCommand({kBench, "recovery", "--models", "gpt", "--cases", "worker",
                                             "--torchrun", "0", "--steps", "15", "--seed", "7"},
-                                           110s);
+                                           220s);
   ASSERT_EQ(r.exitCode, 0) << r.err;
   const auto lines = jsonLines(r.out);
-  ASSERT_EQ(lines.size(), 1u) << r.out;
-  const auto& line = lines.front();
-  EXPECT_FALSE(line.contains("error")) << line;
-  EXPECT_EQ(line.at("bench"), "recovery");
-  EXPECT_EQ(line.at("system"), "fsdprun");
-  EXPECT_EQ(line.at("model"), "gpt");
-  EXPECT_EQ(line.at("layout"), "2x1");
-  EXPECT_EQ(line.at("kill"), "worker");
-  EXPECT_EQ(line.at("seed"), 7);
-  EXPECT_EQ(line.at("finished"), true) << line;
-  EXPECT_EQ(line.at("source"), "memory") << line;
-  // A snapshot every step: the kill costs at most the step whose snapshot was being copied.
-  EXPECT_GE(line.at("steps_redone").get<long long>(), 0) << line;
-  EXPECT_LE(line.at("steps_redone").get<long long>(), 1) << line;
-  EXPECT_GT(line.at("kill_to_restored_s").get<double>(), 0.0) << line;
-  EXPECT_GE(line.at("kill_to_first_step_s").get<double>(), line.at("kill_to_restored_s").get<double>()) << line;
-  EXPECT_GT(line.at("step_ms").get<double>(), 0.0) << line;
+  // Both restart modes on the same kill, then their comparison.
+  ASSERT_EQ(lines.size(), 3u) << r.out;
+  for (std::size_t i = 0; i < 2; ++i) {
+    const auto& line = lines[i];
+    const std::string mode = i == 0 ? "auto" : "process";
+    EXPECT_EQ(line.value("restart_mode", ""), mode) << line;
+    EXPECT_FALSE(line.contains("error")) << line;
+    EXPECT_EQ(line.at("bench"), "recovery");
+    EXPECT_EQ(line.at("system"), "fsdprun");
+    EXPECT_EQ(line.at("model"), "gpt");
+    EXPECT_EQ(line.at("layout"), "2x1");
+    EXPECT_EQ(line.at("kill"), "worker");
+    EXPECT_EQ(line.at("seed"), 7);
+    EXPECT_EQ(line.at("finished"), true) << line;
+    EXPECT_EQ(line.at("source"), "memory") << line;
+    // A snapshot every step: the kill costs at most the step whose snapshot was being copied.
+    EXPECT_GE(line.at("steps_redone").get<long long>(), 0) << line;
+    EXPECT_LE(line.at("steps_redone").get<long long>(), 1) << line;
+    EXPECT_GT(line.at("kill_to_restored_s").get<double>(), 0.0) << line;
+    EXPECT_GE(line.at("kill_to_first_step_s").get<double>(), line.at("kill_to_restored_s").get<double>()) << line;
+    EXPECT_GT(line.at("step_ms").get<double>(), 0.0) << line;
+    EXPECT_TRUE(line.contains("recovery_overhead_s")) << line;
+    // Rank 0 survived rank 1's kill: its process stays in auto mode, not in process mode.
+    EXPECT_EQ(line.value("survivors", -1), 1) << line;
+    EXPECT_EQ(line.value("survivors_kept_pid", -1), mode == "auto" ? 1 : 0) << line;
+    EXPECT_EQ(line.value("recovery_path", ""), mode == "auto" ? "in_process" : "process") << line;
+  }
+  EXPECT_TRUE(lines[2].contains("ratio")) << lines[2];
 }
 
 TEST(FsdpBench, ABadFlagValueIsAUsageErrorNamingTheFlag) {
@@ -101,6 +112,7 @@ TEST(FsdpBench, ABadFlagValueIsAUsageErrorNamingTheFlag) {
     EXPECT_NE(r.err.find(args[0] + " '" + args[1] + "'"), std::string::npos) << r.err;
   }
   for (const std::vector<std::string>& args : {std::vector<std::string>{"--cases", "node"},
+                                              {"--restart_modes", "sometimes"},
                                               {"--models", "shallow"},
                                               {"--torchrun", "yes"}}) {
     std::vector<std::string> argv = {kBench, "recovery"};

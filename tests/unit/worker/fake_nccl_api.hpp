@@ -1,6 +1,6 @@
 #pragma once
 // A CUDA runtime and NCCL that run on the CPU, behind the NCCL communicator's seam
-// (worker/src/comm/nccl_api.hpp): handles are numbers, an event is reached when the test says
+// (worker/src/comm/nccl/nccl_api.hpp): handles are numbers, an event is reached when the test says
 // so, and the test can make a record fail, an enqueue or an init hang, a communicator report an
 // asynchronous error. It counts what was made and destroyed, logs stream waits, and notes any
 // call on an aborted communicator or any wait on an event never recorded.
@@ -18,7 +18,7 @@
 #include <utility>
 #include <vector>
 
-#include "comm/nccl_api.hpp"
+#include "comm/nccl/nccl_api.hpp"
 
 namespace fsdp::testing {
 

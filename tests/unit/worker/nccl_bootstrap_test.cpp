@@ -1,7 +1,7 @@
 // Joining an NCCL group over a fake CUDA/NCCL and a real store on loopback: rank 0 removes the
 // unique id's keys on every path; the exchange and the init share one deadline; the whole
 // communicator (front, queue, close) wired to the fake. No GPU.
-#include "comm/nccl_bootstrap.hpp"
+#include "comm/nccl/nccl_bootstrap.hpp"
 
 #include <gtest/gtest.h>
 

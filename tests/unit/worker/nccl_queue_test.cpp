@@ -2,7 +2,7 @@
 // wait, abort and release is ordered against; that a hanging enqueue holds no lock others need;
 // failures of the completion event's record; the close after an error; the event pool. No GPU,
 // no sleeps: every wait is on a condition, bounded far above what it needs.
-#include "comm/nccl_queue.hpp"
+#include "comm/nccl/nccl_queue.hpp"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>

@@ -1,6 +1,7 @@
 // The worker's end of the agent's control channel (control.hpp).
 #include "reform/control.hpp"
 
+#include <fcntl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -33,6 +34,7 @@ ReformControl::ReformControl() {
     return;
   }
   fd_ = static_cast<int>(fd);
+  ::fcntl(fd_, F_SETFD, FD_CLOEXEC);  // the agent's, not for what this program starts
   reader_ = std::thread([this] { readLoop(); });
   reader_.detach();
 }

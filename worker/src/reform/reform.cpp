@@ -70,6 +70,8 @@ struct RuntimeReform {
            .token = rt.token_});
     }
     rt.env_ = std::move(next);
+    // The flight ring says from when its records are this round's (the hang report reads it).
+    FlightRecorder::process().attach(rt.env_.rank);
     auto built = buildCommunicators(rt.env_, *rt.store_, rt.initOptions_);
     if ((built.cpuComm != nullptr) != (cpu != nullptr) || built.backend != rt.backend_) {
       throw ReformError(std::string("the new round's communicators are of another kind (") + backendName(built.backend) +

@@ -1,12 +1,12 @@
 // The NCCL communicator's front: input checks, the collectives mapped onto an NcclQueue
-// (comm/nccl_queue.hpp), creation (comm/nccl_bootstrap.hpp), all over CUDA/NCCL through NcclApi
-// (comm/nccl_api.hpp; the real one is comm/nccl_cuda_api.cpp, which also answers
+// (comm/nccl/nccl_queue.hpp), creation (comm/nccl/nccl_bootstrap.hpp), all over CUDA/NCCL through NcclApi
+// (comm/nccl/nccl_api.hpp; the real one is comm/nccl/nccl_cuda_api.cpp, which also answers
 // ncclAvailable() and cudaDeviceCount()).
 #include "fsdp/worker/nccl_communicator.hpp"
 
-#include "comm/nccl_api.hpp"
-#include "comm/nccl_bootstrap.hpp"
-#include "comm/nccl_queue.hpp"
+#include "comm/nccl/nccl_api.hpp"
+#include "comm/nccl/nccl_bootstrap.hpp"
+#include "comm/nccl/nccl_queue.hpp"
 #include "fsdp/common/error.hpp"
 
 namespace fsdp::worker {

@@ -22,6 +22,7 @@
 #include "fsdp/worker/flight_recorder.hpp"
 #include "fsdp/worker/reform.hpp"
 #include "fsdp/worker/runtime.hpp"
+#include "trainer/trainer_output.hpp"
 #include "fsdp/common/log.hpp"
 
 namespace fsdp::worker {
@@ -29,76 +30,11 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using nlohmann::json;
-
-std::string clock(double seconds) {
-  if (!std::isfinite(seconds) || seconds < 0) return "--:--";
-  const auto s = static_cast<long long>(seconds + 0.5);
-  char text[32];
-  if (s >= 3600) {
-    std::snprintf(text, sizeof(text), "%lld:%02lld:%02lld", s / 3600, s / 60 % 60, s % 60);
-  } else {
-    std::snprintf(text, sizeof(text), "%02lld:%02lld", s / 60, s % 60);
-  }
-  return text;
-}
-
-// A rate with a unit prefix: 1730 -> "1730", 45210 -> "45.2k".
-std::string rate(double v) {
-  char text[32];
-  if (v >= 1e6) {
-    std::snprintf(text, sizeof(text), "%.2fM", v / 1e6);
-  } else if (v >= 1e4) {
-    std::snprintf(text, sizeof(text), "%.1fk", v / 1e3);
-  } else {
-    std::snprintf(text, sizeof(text), "%.0f", v);
-  }
-  return text;
-}
-
-// Set by the checkpoint signal's handler. A signal handler can only reach a global; a lock-free
-// atomic is async-signal-safe.
-std::atomic<bool> gCheckpointRequested{false};
-static_assert(std::atomic<bool>::is_always_lock_free);
-
-extern "C" void onCheckpointSignal(int) { gCheckpointRequested.store(true); }
-
-// Installs the handler for the run when the signal is at its default; restores it afterwards.
-class CheckpointSignal {
- public:
-  explicit CheckpointSignal(int sig) : sig_(sig) {
-    if (sig_ <= 0) return;
-    struct sigaction current {};
-    if (::sigaction(sig_, nullptr, &current) != 0 || current.sa_handler != SIG_DFL) return;
-    struct sigaction handler {};
-    handler.sa_handler = onCheckpointSignal;
-    handler.sa_flags = SA_RESTART;
-    sigemptyset(&handler.sa_mask);
-    installed_ = ::sigaction(sig_, &handler, &previous_) == 0;
-    gCheckpointRequested.store(false);
-  }
-  ~CheckpointSignal() {
-    if (installed_) ::sigaction(sig_, &previous_, nullptr);
-  }
-  CheckpointSignal(const CheckpointSignal&) = delete;
-  CheckpointSignal& operator=(const CheckpointSignal&) = delete;
-  bool installed() const { return installed_; }
-
- private:
-  int sig_;
-  bool installed_ = false;
-  struct sigaction previous_ {};
-};
-
-// Whole lines on stdout in one write (ranks share the console).
-// Seconds since the epoch: metrics lines of different processes (a restart) on one clock.
-double unixTime() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
-
-void emitLine(const std::string& text) {
-  const std::string line = text + "\n";
-  [[maybe_unused]] const auto n = ::write(STDOUT_FILENO, line.data(), line.size());
-}
+using detail::CheckpointSignal;
+using detail::clock;
+using detail::emitLine;
+using detail::rate;
+using detail::unixTime;
 
 }  // namespace
 
@@ -592,7 +528,7 @@ FitResult Trainer::fitRound(const Dataset& train, const Dataset* eval, const Ref
       bool save = d.checkpointer && o.checkpointEvery > 0 && step % o.checkpointEvery == 0;
       if (checkpointSignal.installed()) {
         // The signal reaches the ranks at different steps: they agree on it after each step.
-        const bool requested = gCheckpointRequested.exchange(false);
+        const bool requested = detail::takeCheckpointRequest();
         if (d.reduce({requested ? 1.0 : 0.0}, ReduceOp::kMax)[0] > 0) {
           d.printLine("checkpoint requested by signal " + std::to_string(o.checkpointSignal) + ": saving step " +
                       std::to_string(step));
