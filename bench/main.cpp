@@ -153,7 +153,7 @@ int main(int argc, char** argv) {
        "every worker starts again): the recovery overhead (kill -> first new step, less one median step) and "
        "whether the survivors kept their pids (--models "
        "deep,gpt --steps 24 --batch_size 32 --reps 1 --seed N --torchrun 0|1 --standby 1|0 (fsdprun "
-       "--standby, process mode) --restart_modes auto,process --cases worker,agents_worker,agent,overhead)",
+       "--standby) --restart_modes auto,process --cases worker,agents_worker,agent,overhead)",
        {"models", "steps", "batch_size", "reps", "seed", "torchrun", "standby", "cases", "checkpoint_every",
         "restart_modes"},
        recovery},

@@ -67,13 +67,12 @@ void killFigures(const Observed& seen, nlohmann::json& line) {
   }
   line["step_ms"] = stepMs(seen.lines);
   // The ranks that were not killed: how many kept their processes through the recovery.
-  if (seen.pidsAfterResume) {
+  if (seen.ranksStillRunning) {
     int survivors = 0, kept = 0;
     for (const auto& [rank, pid] : seen.pidsAtKill) {
       if (rank == line.value("kill_rank_of_worker", -1)) continue;
       ++survivors;
-      const auto it = seen.pidsAfterResume->find(rank);
-      kept += it != seen.pidsAfterResume->end() && it->second == pid ? 1 : 0;
+      kept += seen.ranksStillRunning->contains(rank) ? 1 : 0;
     }
     line["survivors"] = survivors;
     line["survivors_kept_pid"] = kept;
@@ -231,9 +230,8 @@ Observed runOurs(const std::string& model, const Config& c, const Layout& layout
   };
   std::vector<std::string> common = {"--max_restarts", std::to_string(kMaxRestarts), "--rdzv_id",
                                      launch.runId, "--restart_mode", mode};
-  // The spares serve process restarts (auto mode keeps the survivors and starts the failed worker
-  // anew: spares would only compete for the cores).
-  if (c.standby && mode == "process") common.push_back("--standby");
+  // The spares: in process mode every worker's, in auto mode the failed worker's takes its place.
+  if (c.standby) common.push_back("--standby");
   if (layout.agents == 1) {
     std::vector<std::string> argv = {fsdprun, "--standalone", "--nproc_per_node",
                                      std::to_string(layout.workersPerAgent)};
@@ -441,7 +439,7 @@ void recovery(const Args& args) {
                      {"kill", k.kill == Kill::kAgent ? "agent" : "worker"},
                      {"kill_rank_of_worker", k.rank},
                      {"snapshot_every", 1},
-                     {"standby", c.standby && mode == "process"}});
+                     {"standby", c.standby}});
         if (k.layout.agents > 2) {
           line.update({{"case", k.name},
                        {"nnodes", k.layout.nnodes},

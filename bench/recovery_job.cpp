@@ -162,6 +162,10 @@ std::map<int, int> workerPids(const std::string& runId, const std::set<int>& roo
     if (roots.contains(pid)) continue;
     const auto env = environOf(pid);
     if (!hasEntries(env, {"TORCHELASTIC_RUN_ID=" + runId})) continue;
+    // A spare (--standby) waiting for a later round is not the rank's worker.
+    if (std::any_of(env.begin(), env.end(), [](const std::string& e) { return e.rfind("FSDPRUN_STANDBY_FD=", 0) == 0; })) {
+      continue;
+    }
     bool under = false;
     for (int p = parentOf(pid), hops = 0; p > 1 && hops < 16 && !under; p = parentOf(p), ++hops) under = roots.contains(p);
     if (!under) continue;
@@ -301,13 +305,22 @@ Observed runJob(const Launch& launch, const RunDir& dir, Kill kill, KillAt at,
   };
   while (running() && Clock::now() < deadline) {
     metrics.wait(200ms);
-    if (seen.killUnixTime && !seen.pidsAfterResume) {
+    if (seen.killUnixTime && !seen.ranksStillRunning) {
       // Once the state is back: who runs each rank now (the survivors' pids, kept or not).
       const double killTime = *seen.killUnixTime;
       if (std::any_of(metrics.lines().begin(), metrics.lines().end(), [&](const nlohmann::json& l) {
             return l.value("type", "") == "resume" && l.value("unix_time", 0.0) > killTime;
           })) {
-        seen.pidsAfterResume = workerPids(launch.runId, roots);
+        // Who of those running at the kill still runs: the survivors that kept their processes.
+        std::set<int> alive;
+        for (const auto& [rank, pid] : seen.pidsAtKill) {
+          std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+          std::string text;
+          std::getline(stat, text);
+          const auto close = text.rfind(')');
+          if (close != std::string::npos && close + 2 < text.size() && text[close + 2] != 'Z') alive.insert(rank);
+        }
+        seen.ranksStillRunning = alive;
       }
     }
     if (killed || metrics.lastTrainStep() < at.afterStep) continue;

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -80,9 +81,10 @@ struct Observed {
   bool finished = false;               // every launcher not killed exited 0
   std::string error;                   // why not, or what went wrong on the way
   std::string logDir;                  // the launchers' output, where it was kept
-  // The workers' pids by rank just before the kill, and once rank 0 wrote its resume line.
+  // The workers' pids by rank just before the kill (spares left out), and the ranks whose
+  // process of then still ran once rank 0 wrote its resume line.
   std::map<int, int> pidsAtKill;
-  std::optional<std::map<int, int>> pidsAfterResume;
+  std::optional<std::set<int>> ranksStillRunning;
   // After an agent kill: the index of the launcher killed in Launch::agents.
   std::optional<std::size_t> killedLauncher;
   // The last JSON object a launcher not killed printed on stdout: the summary of the final rank 0

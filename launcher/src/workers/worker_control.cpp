@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <string>
 
+#include "fsdp/common/deadline.hpp"
 #include "fsdp/common/log.hpp"
 #include "worker_group.hpp"
 
@@ -83,8 +84,62 @@ void WorkerGroup::notifyAbort(const std::set<int>& localRanks, const std::string
   }
 }
 
+void WorkerGroup::clearSlot(std::size_t index) {
+  Worker& w = workers_[index];
+  if (w.process && !w.reported) {
+    const pid_t pid = w.process->pid();
+    w.process.reset();  // kills the process group and reaps it
+    guardian_.forget(pid);
+  }
+  for (Stream* s : {&w.out, &w.err}) {
+    if (s->fd >= 0) ::close(s->fd);
+    if (s->fileFd >= 0) ::close(s->fileFd);
+    *s = Stream{};
+  }
+  if (w.control >= 0) ::close(w.control);
+  if (w.activation >= 0) ::close(w.activation);
+  w.control = -1;
+  w.activation = -1;
+  w.ready = false;
+  w.lifeline.reset();
+  w.tail.clear();
+  w.partial.clear();
+  w.reported = false;
+  w.exitTold = false;
+}
+
+bool WorkerGroup::adoptSpare(std::size_t index, const WorkerSpec& spec, WorkerGroup& spares) {
+  for (auto& s : spares.workers_) {
+    if (s.spec.localRank != spec.localRank) continue;
+    if (s.activation < 0 || !s.process || s.reported || s.process->reaped() || s.process->tryWait()) return false;
+    if (s.spec.argv != spec.argv) return false;
+    const auto was = envMap(s.spec.env);
+    const auto now = envMap(spec.env);
+    if (!identityChange(was, now, kStandbyIdentity, spec.localRank).empty()) return false;
+    const std::string message = nlohmann::json{{"env", envChanges(was, now)}}.dump() + "\n";
+    writeAll(s.activation, message.data(), message.size());
+    ::close(s.activation);
+    s.activation = -1;
+    s.spec = spec;
+    s.started = Deadline::Clock::now();
+    clearSlot(index);
+    workers_[index] = std::move(s);
+    // Its lifeline reports to the spares' group: without it, its exit is learnt when reaped.
+    workers_[index].lifeline.reset();
+    // Moved: what the spares' group would close or kill on its way out is not its any more.
+    s.process.reset();
+    s.reported = true;
+    s.out = Stream{};
+    s.err = Stream{};
+    s.control = -1;
+    s.activation = -1;
+    return true;
+  }
+  return false;
+}
+
 bool WorkerGroup::reform(const std::vector<WorkerSpec>& specs, const std::set<int>& kept, const std::string& attemptDir,
-                         std::string& why) {
+                         std::string& why, WorkerGroup* spares) {
   static const std::vector<const char*> kIdentity = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"};
   if (specs.size() != workers_.size()) {
     why = std::to_string(specs.size()) + " workers now, " + std::to_string(workers_.size()) + " before";
@@ -108,26 +163,14 @@ bool WorkerGroup::reform(const std::vector<WorkerSpec>& specs, const std::set<in
       w.spec.env = specs[i].env;
       continue;
     }
-    // A new process in the failed (or gone) worker's place. What is left of the old one goes
-    // first: its process (reaped, or killed and reaped now), its pipes, its lifeline.
-    if (w.process && !w.reported) {
-      const pid_t pid = w.process->pid();
-      w.process.reset();  // kills the process group and reaps it
-      guardian_.forget(pid);
+    // The failed (or gone) worker's place: its spare, waiting with the program loaded, else a new
+    // process.
+    if (spares != nullptr && adoptSpare(i, specs[i], *spares)) {
+      log::info("local rank {}: its spare (pid {}) takes the failed worker's place", specs[i].localRank,
+                w.process ? w.process->pid() : -1);
+      continue;
     }
-    for (Stream* s : {&w.out, &w.err}) {
-      if (s->fd >= 0) ::close(s->fd);
-      if (s->fileFd >= 0) ::close(s->fileFd);
-      *s = Stream{};
-    }
-    if (w.control >= 0) ::close(w.control);
-    w.control = -1;
-    w.ready = false;
-    w.lifeline.reset();
-    w.tail.clear();
-    w.partial.clear();
-    w.reported = false;
-    w.exitTold = false;
+    clearSlot(i);
     w.spec = specs[i];
     spawn(i, /*standby=*/false);
   }

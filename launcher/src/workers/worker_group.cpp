@@ -25,6 +25,8 @@ namespace {
 constexpr std::size_t kTailLines = 20;
 constexpr std::size_t kTailLineBytes = 2000;
 
+}  // namespace
+
 // Writes all of `data` to fd (console or file); a console that went away is not an error.
 void writeAll(int fd, const char* data, std::size_t n) {
   while (n > 0) {
@@ -37,6 +39,8 @@ void writeAll(int fd, const char* data, std::size_t n) {
     n -= static_cast<std::size_t>(w);
   }
 }
+
+namespace {
 
 int openLog(const std::string& path) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_APPEND, 0644);
@@ -453,11 +457,13 @@ nlohmann::json envChanges(const std::map<std::string, std::string>& was, const s
   return env;
 }
 
+// What makes a worker who it is: a standby started as another is of no use.
+const std::vector<const char*> kStandbyIdentity = {
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+    "ROLE_WORLD_SIZE", "ROLE_NAME", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE"};
+
 bool WorkerGroup::activate(const std::vector<WorkerSpec>& specs, std::string& why) {
-  // What makes a worker who it is: a standby started as another is of no use.
-  static const std::vector<const char*> kIdentity = {
-      "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-      "ROLE_WORLD_SIZE", "ROLE_NAME", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE"};
+  const auto& kIdentity = kStandbyIdentity;
   if (specs.size() != workers_.size()) {
     why = std::to_string(specs.size()) + " workers now, " + std::to_string(workers_.size()) + " standbys";
     return false;

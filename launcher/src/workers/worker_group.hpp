@@ -106,8 +106,10 @@ class WorkerGroup {
   // on in process; every other worker of `specs` starts as a new process, its files under
   // `attemptDir`. False, with `why` and nothing done, when a kept worker's identity (rank, world)
   // differs in `specs`: the caller then stops the group and starts a new one.
+  // A worker replaced is the spare of its local rank in `spares` (a standby group, --standby)
+  // where one waits with the identity it needs, else a new process.
   bool reform(const std::vector<WorkerSpec>& specs, const std::set<int>& kept, const std::string& attemptDir,
-              std::string& why);
+              std::string& why, WorkerGroup* spares = nullptr);
   std::vector<pid_t> pids() const;
   std::vector<WatchedWorker> watched() const;
 
@@ -151,6 +153,11 @@ class WorkerGroup {
   };
   // Starts workers_[index] from its spec (the constructor, and reform() for a worker replaced).
   void spawn(std::size_t index, bool standby);
+  // reform(): workers_[index] becomes the spare of `spec`'s local rank in `spares`, activated with
+  // `spec`'s round; false (nothing done) when none waits with the identity `spec` needs.
+  bool adoptSpare(std::size_t index, const WorkerSpec& spec, WorkerGroup& spares);
+  // reform(): what is left of workers_[index] goes (its process killed and reaped, its pipes).
+  void clearSlot(std::size_t index);
   void readControl(Worker& w);
   void setUpStream(Worker& w, Stream& s, int bit, SpawnOptions& spawn);
   void readStream(Worker& w, Stream& s);
@@ -167,6 +174,11 @@ class WorkerGroup {
   bool control_ = false;
   int lifelineNews_[2] = {-1, -1};  // a pipe: each watcher writes its worker's index
 };
+
+// Writes all of `data` to fd (console or file); a console that went away is not an error.
+void writeAll(int fd, const char* data, std::size_t n);
+// The environment entries a standby must have been started with to become a worker.
+extern const std::vector<const char*> kStandbyIdentity;
 
 // A worker's environment ("KEY=VALUE" lines) as a map; the first of `keys` whose value differs
 // between two (one line naming it, "" when none does); what `now` sets differently from `was`.

@@ -286,9 +286,12 @@ void refreshMeta(json& meta, const ShardLayout& layout, torch::optim::Optimizer*
 // Collective. Loads `m` (read through `reader`) into the model, the optimizer and the RNG once
 // every rank has read and checked its part; throws ConfigError on every rank (nothing changed)
 // when any rank could not, or came with a `failure` of its own. (load.cpp)
+// `keepOwnState`: this rank's shards and optimizer state already hold the manifest's step (a
+// survivor of a re-formation whose state lies in that snapshot's memory): they are neither read
+// nor written; the rest (buffers, RNG, learning rates) is.
 TrainingProgress loadManifest(Runtime& runtime, const Manifest& m, Reader& reader, FullyShardedDataParallel& model,
                               torch::optim::Optimizer* optimizer, const std::string& errorKey,
-                              std::string failure = "");
+                              std::string failure = "", bool keepOwnState = false);
 // Writes a rank's file (fsync'ed); fills offsets and CRCs of its blocks.
 void writeRankFile(const std::string& path, RankPlan& plan);
 json rankFileJson(const RankPlan& plan);

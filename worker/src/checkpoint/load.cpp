@@ -136,7 +136,7 @@ namespace detail {
 
 TrainingProgress loadManifest(Runtime& runtime, const Manifest& m, Reader& reader, FullyShardedDataParallel& model,
                               torch::optim::Optimizer* optimizer, const std::string& errorKey,
-                              std::string failure) {
+                              std::string failure, bool keepOwnState) {
   const std::string& path = m.path;
   // Everything is read and checked into new tensors first, and every rank learns whether every
   // other rank could: a bad file on one rank leaves the model as it was on all of them.
@@ -179,6 +179,7 @@ TrainingProgress loadManifest(Runtime& runtime, const Manifest& m, Reader& reade
       return false;
     };
     for (const auto& flat : layout.flats) {
+      if (keepOwnState) break;  // this rank's own state holds the step already
       auto values = at::zeros_like(flat.shard.detach(), at::TensorOptions().device(at::kCPU));
       fillShard(reader, m, flat, "param", values);
       shards.push_back(values);
@@ -224,7 +225,7 @@ TrainingProgress loadManifest(Runtime& runtime, const Manifest& m, Reader& reade
   }
 
   // All read and checked: now change the model, the optimizer, the RNG.
-  for (std::size_t f = 0; f < layout.flats.size(); ++f) {
+  for (std::size_t f = 0; f < shards.size(); ++f) {
     layout.flats[f].shard.detach().copy_(shards[f]);
     if (optimizer != nullptr && states[f]) writeState(*optimizer, kind, layout.flats[f].shard, *states[f]);
   }

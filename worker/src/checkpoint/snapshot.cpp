@@ -113,6 +113,62 @@ struct Snapshotter::Impl {
 
   Impl(Runtime& rt, SnapshotOptions o) : runtime(rt), options(o) {}
 
+  // Collective, at construction and at rejoin(): whether every rank has a keeper, and where the
+  // next node's agent listens in this round.
+  void agree() {
+    const bool mine = keeper.get() >= 0;
+    auto all = at::full({1}, mine ? 1.0 : 0.0, at::kDouble);
+    const CommTag tag("snapshot", "agree");
+    runtime.cpuComm().allReduce(all, ReduceOp::kMin).wait();
+    enabled = all.item<double>() > 0;
+    if (!enabled) {
+      keeper.reset();
+      return;
+    }
+    const auto& env = runtime.env();
+    if (!env.tokenFile.empty()) {
+      std::ifstream in(env.tokenFile);
+      token.clear();
+      std::getline(in, token);
+    }
+    peerEndpoint.clear();
+    if (options.peerCopy && env.groupWorldSize > 1) {
+      const std::string prefix = runtime.roundPrefix() + "snapshot/peer/";
+      if (env.localRank == 0) {
+        const char* mineEndpoint = std::getenv("FSDPRUN_SNAPSHOT_PEER");
+        runtime.store().set(prefix + std::to_string(env.groupRank), mineEndpoint != nullptr ? mineEndpoint : "");
+      }
+      RankWait waiting({.group = "snapshot", .rank = runtime.rank(), .size = runtime.worldSize(),
+                        .what = "start: waiting for the next node's agent"});
+      peerEndpoint = runtime.store().get(prefix + std::to_string((env.groupRank + 1) % env.groupWorldSize),
+                                         options.timeout);
+      waiting.done();
+    }
+  }
+
+  // Whether the shards and optimizer state lie in the snapshot of `step` this rank wrote (its
+  // buffer, still what the keeper holds for that step). Else, whatever lies in snapshot memory
+  // moves to memory of its own, uninitialised: a restore is about to write it.
+  bool ownStateHolds(FullyShardedDataParallel& model, torch::optim::Optimizer* optimizer, std::int64_t step, int world) {
+    if (!live || optimizer == nullptr) return false;
+    std::string kind;
+    try {
+      kind = optimizerKind(*optimizer);
+    } catch (const ConfigError&) {
+      return false;
+    }
+    const bool all = forEachStateTensor(model, *optimizer, kind,
+                                        [&](const at::Tensor&, const std::string&, at::Tensor& t) { return inside(live, t); });
+    if (all && live->step == step && world == runtime.worldSize()) return true;
+    at::NoGradGuard noGrad;
+    forEachStateTensor(model, *optimizer, kind, [&](const at::Tensor&, const std::string&, at::Tensor& t) {
+      if (inside(live, t)) t.set_(at::empty_like(t));
+      return true;
+    });
+    live.reset();
+    return false;
+  }
+
   json ask(const json& request, int fd = -1, Fd* passed = nullptr) {
     snapshot::sendMessage(keeper.get(), request.dump(), fd);
     auto answer = snapshot::receiveMessage(keeper.get());
@@ -339,41 +395,24 @@ Snapshotter::Snapshotter(Runtime& runtime, SnapshotOptions options)
     : impl_(std::make_unique<Impl>(runtime, options)) {
   auto& d = *impl_;
   const char* socket = std::getenv("FSDPRUN_SNAPSHOT_SOCKET");
-  bool mine = false;
   if (socket != nullptr && *socket != '\0') {
     try {
       d.keeper = Fd(snapshot::connectSeqpacket(socket));
       setSocketTimeouts(d.keeper.get(), options.timeout);
-      mine = true;
     } catch (const Error& e) {
       log::warn("rank {}: no in-memory snapshots: {}", runtime.rank(), e.what());
     }
   }
-  auto all = at::full({1}, mine ? 1.0 : 0.0, at::kDouble);
-  const CommTag tag("snapshot", "agree");
-  runtime.cpuComm().allReduce(all, ReduceOp::kMin).wait();
-  d.enabled = all.item<double>() > 0;
-  if (!d.enabled) {
-    d.keeper.reset();
-    return;
-  }
-  const auto& env = runtime.env();
-  if (!env.tokenFile.empty()) {
-    std::ifstream in(env.tokenFile);
-    std::getline(in, d.token);
-  }
-  if (options.peerCopy && env.groupWorldSize > 1) {
-    const std::string prefix = runtime.roundPrefix() + "snapshot/peer/";
-    if (env.localRank == 0) {
-      const char* mineEndpoint = std::getenv("FSDPRUN_SNAPSHOT_PEER");
-      runtime.store().set(prefix + std::to_string(env.groupRank), mineEndpoint != nullptr ? mineEndpoint : "");
-    }
-    RankWait waiting({.group = "snapshot", .rank = runtime.rank(), .size = runtime.worldSize(),
-                      .what = "start: waiting for the next node's agent"});
-    d.peerEndpoint = runtime.store().get(prefix + std::to_string((env.groupRank + 1) % env.groupWorldSize),
-                                         options.timeout);
-    waiting.done();
-  }
+  d.agree();
+}
+
+void Snapshotter::rejoin() {
+  auto& d = *impl_;
+  wait();
+  d.peer.reset();
+  d.peerFailed = false;
+  d.restoreCalls = 0;  // the restore's store keys, per round and call: as a new process counts
+  d.agree();
 }
 
 Snapshotter::~Snapshotter() {
@@ -398,28 +437,6 @@ void Snapshotter::step(FullyShardedDataParallel& model, torch::optim::Optimizer&
   if (enabled() && d.stepIntoBuffer(model, optimizer)) return;
   d.moveOut(model, optimizer);
   optimizer.step();
-}
-
-void Snapshotter::releaseMemory(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer) {
-  auto& d = *impl_;
-  try {
-    wait();
-  } catch (const std::exception& e) {
-    log::warn("rank {}: the snapshot in flight when the world re-formed failed: {}", d.runtime.rank(), e.what());
-  }
-  if (!d.live) return;
-  std::string kind;
-  try {
-    kind = optimizerKind(optimizer);
-  } catch (const ConfigError&) {
-    kind.clear();
-  }
-  at::NoGradGuard noGrad;
-  forEachStateTensor(model, optimizer, kind, [&](const at::Tensor&, const std::string&, at::Tensor& t) {
-    if (inside(d.live, t)) t.set_(at::empty_like(t));
-    return true;
-  });
-  d.live.reset();
 }
 
 bool Snapshotter::frozen(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer) const {
@@ -479,7 +496,10 @@ std::optional<TrainingProgress> Snapshotter::restore(FullyShardedDataParallel& m
                         .ask = [&d](const json& request, Fd* passed) { return d.ask(request, -1, passed); },
                         .token = d.token,
                         .timeout = d.options.timeout,
-                        .call = d.restoreCalls++};
+                        .call = d.restoreCalls++,
+                        .ownStateHolds = [&d, &model, optimizer](std::int64_t step, int world) {
+                          return d.ownStateHolds(model, optimizer, step, world);
+                        }};
   auto restored = restoreFromKeepers(link, model, optimizer);
   if (!restored) return std::nullopt;
   d.restoredFrom = std::move(restored->source);

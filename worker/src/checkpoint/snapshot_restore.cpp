@@ -209,6 +209,7 @@ std::optional<Restored> restoreFromKeepers(const KeeperLink& link, FullyShardedD
   const int oldWorld = choice.world;
   const bool sameWorld = oldWorld == world;
   const std::string label = "the in-memory snapshot of step " + std::to_string(step);
+  const bool keepOwn = sameWorld && link.ownStateHolds && link.ownStateHolds(step, oldWorld);
 
   // Fetch the pieces and lay them out as a checkpoint's files. The same world: this rank's own
   // piece. Another world (a reshard): every piece of it, as the loader may read any.
@@ -266,7 +267,7 @@ std::optional<Restored> restoreFromKeepers(const KeeperLink& link, FullyShardedD
     const CommTag restoring("snapshot", "restore");
     auto progress = loadManifest(
         rt, m, reader, model, optimizer,
-        rt.roundPrefix() + "snapshot/load/" + std::to_string(step) + "/error", failure);
+        rt.roundPrefix() + "snapshot/load/" + std::to_string(step) + "/error", failure, keepOwn);
     auto from = at::full({1}, fromPeer ? 1.0 : 0.0, at::kDouble);
     const CommTag tag("snapshot", "restore");
     rt.cpuComm().allReduce(from, ReduceOp::kMax).wait();

@@ -71,6 +71,9 @@ struct KeeperLink {
   std::string token;
   std::chrono::milliseconds timeout;
   int call = 0;  // how many restores this process made before (keys of its own per call)
+  // Once the step is chosen: whether this rank's shards and optimizer state hold it already (a
+  // survivor of a re-formation whose state lies in that snapshot's memory: nothing to copy).
+  std::function<bool(std::int64_t step, int world)> ownStateHolds;
 };
 
 struct Restored {

@@ -57,15 +57,16 @@ struct Trainer::Impl {
 
   bool leader() const { return runtime.rank() == 0; }
 
-  // Before an in-process re-formation: what the interrupted round left goes. The parameters and
-  // the optimizer state leave snapshot memory (the agent's pieces stay as they are; the restore
-  // refills them), the snapshots' connection goes (the new round makes its own, as a new process
-  // does), a checkpoint being written finishes or fails.
+  // Before an in-process re-formation: what the interrupted round left in flight finishes or
+  // fails (a snapshot being handed to the agent, a checkpoint being written).
   void dropInterruptedState() {
     barOpen = false;
     if (snapshots) {
-      snapshots->releaseMemory(model, optimizer);
-      snapshots.reset();
+      try {
+        snapshots->wait();
+      } catch (const std::exception& e) {
+        log::warn("rank {}: the snapshot in flight when the world re-formed failed: {}", runtime.rank(), e.what());
+      }
     }
     if (checkpointer) {
       try {
@@ -252,7 +253,13 @@ FitResult Trainer::fitRound(const Dataset& train, const Dataset* eval, const Ref
   reseed(0);
   // Resume: the newest in-memory snapshot every rank holds, else the newest disk checkpoint.
   const auto restoreStart = Clock::now();
-  if (o.snapshotEvery > 0 && !d.snapshots) d.snapshots = std::make_unique<Snapshotter>(d.runtime);
+  // A new process agrees on snapshots as it builds its Snapshotter; a survivor of a re-formation,
+  // whose state may lie in the snapshot the restore picks, agrees again with the same one.
+  if (o.snapshotEvery > 0 && !d.snapshots) {
+    d.snapshots = std::make_unique<Snapshotter>(d.runtime);
+  } else if (reformed != nullptr && d.snapshots) {
+    d.snapshots->rejoin();
+  }
   std::optional<TrainingProgress> resumed;
   if (d.snapshots) {
     resumed = d.snapshots->restore(d.model, &d.optimizer);

@@ -20,9 +20,9 @@
 //       break;
 //     } catch (const std::exception& e) {
 //       if (!fsdp::reformPending(*rt)) throw;                     // this process's own failure
+//       snapshots->wait();                                        // what was in flight
 //       fsdp::reform(*rt, model);                                 // the new round
-//       snapshots.reset();                                        // (detach() first: reform does)
-//       snapshots = std::make_unique<fsdp::Snapshotter>(*rt);    // as a new process does
+//       snapshots->rejoin();                                      // as a new one is constructed
 //       resumed = snapshots->restore(model, &optimizer);         // else: throw (process restart)
 //       fsdp::reformDone(*rt);
 //     }
@@ -30,7 +30,8 @@
 //
 // The contract: between building the FSDP model and the restore, a survivor issues exactly the
 // collectives a new process issues there (reform() replays FSDP's constructor's; the program
-// repeats what it does after it: the Snapshotter, the restore). Training resumes from the
+// repeats what it does after it: the Snapshotter's agreement (rejoin()), the restore). Its own
+// state is not copied when it lies in the snapshot restored (its memory is that snapshot's). Training resumes from the
 // restored step on every rank: the survivor's loop must take the step, the data position and
 // the RNG from what restore() returned, as a new process does.
 //

@@ -77,11 +77,11 @@ class Snapshotter {
   // writer may then read them on its own thread (Checkpointer::save's `frozen`).
   bool frozen(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer) const;
 
-  // Before this Snapshotter goes while the model lives on and a restore will refill it (an
-  // in-process re-formation, reform.hpp): the shards and optimizer state that step() put in
-  // snapshot memory move to memory of their own, uninitialised (nothing the agent holds is
-  // written again). Their values are gone: call restore() on a new Snapshotter next.
-  void releaseMemory(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer);
+  // Collective, as the constructor: after an in-process re-formation (reform.hpp), the ranks of
+  // the new round agree again (the new processes construct theirs meanwhile). The next restore()
+  // copies nothing of this rank's own state when it lies in the snapshot chosen (the survivor's
+  // memory is that snapshot's).
+  void rejoin();
 
   // Collective. Restores the newest step of which every rank's piece is held by some node's
   // agent (a lost node's ranks by the node holding their peer copies), at the current world size
