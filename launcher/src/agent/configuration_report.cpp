@@ -33,6 +33,9 @@ std::string describeConfiguration(const LaunchOptions& o, const std::vector<std:
   line("node_rank", o.nodeRank ? std::to_string(*o.nodeRank) : "assigned by the rendezvous");
   line("rdzv_id", o.rdzvId);
   line("max_restarts", std::to_string(o.maxRestarts));
+  line("restart_mode", o.restartMode == "auto"
+                           ? "auto (the workers of a libfsdp training loop survive a failure elsewhere in process)"
+                           : "process (every worker starts again after a failure)");
   line("standby", o.standby ? "a spare of each worker waits in fsdp::init() for the next restart" : "off");
   line("role", o.role);
   if (!o.localAddr.empty()) line("local_addr", o.localAddr);
