@@ -331,6 +331,10 @@ TEST(Chaos, AnElasticJobUnderRandomKillsAndFreezesFinishesWithTheUndisturbedResu
   std::printf("chaos: %zu rounds formed; agent instances:", formed.size());
   for (const auto& node : nodes) std::printf(" %d", node->instances());
   std::printf("\n");
+  // Which way the survivors went (--restart_mode auto, the default): rounds in which some agent's
+  // workers re-formed in process, and in which they started again as processes.
+  const auto inProcess = roundsIn(agentLogs, std::regex("round (\\d+): rank\\(s\\) [0-9, ]+ re-form in process"));
+  std::printf("chaos: %zu rounds with workers re-formed in process\n", inProcess.size());
 
   // 3. The last round resumed from a checkpoint: an undisturbed run of the same world size
   //    from that checkpoint ends with the same parameters, bit for bit.
