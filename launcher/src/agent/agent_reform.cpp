@@ -38,7 +38,8 @@ std::set<int> Agent::keepSurvivors(WorkerGroup& group, const std::string& why, c
   if (!stuck.empty()) log::warn("rank(s) {} failed or are stuck: they start again as processes", rankList(stuck, offset));
   if (!others.empty()) {
     log::warn("rank(s) {} restart as processes: not in a training loop that re-forms in process (a program without "
-              "libfsdp's Trainer or ReformScope, a PyTorch script, still starting, or already re-forming)",
+              "libfsdp's Trainer or ReformScope, a PyTorch script, a model the runtime cannot rebuild (HYBRID_SHARD), no "
+              "snapshot or checkpoint to restore, still starting, or already re-forming)",
               rankList(others, offset));
   }
   return keep;
