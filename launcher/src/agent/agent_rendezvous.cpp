@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <chrono>
 #include <filesystem>
+#include <thread>
 
 #include "agent_state.hpp"
 #include "fsdp/common/error.hpp"
@@ -223,20 +224,34 @@ bool Agent::failover() {
     storeHost_ = s.address;
     storePort_ = port;
     if (isMe(s)) {
-      try {
-        server_ = std::make_unique<rendezvous::StoreServer>(
-            rendezvous::ServerOptions{.host = isAddressLiteral(address_) ? address_ : std::string("::"),
-                                      .port = static_cast<std::uint16_t>(port),
-                                      .token = token_,
-                                      .allowPytorchClients = options_.rdzvConf.allowPytorchClients,
-                                      .pytorchRunId = options_.rdzvId});
-      } catch (const NetworkError& e) {
+      const rendezvous::ServerOptions serving{.host = isAddressLiteral(address_) ? address_ : std::string("::"),
+                                              .port = static_cast<std::uint16_t>(port),
+                                              .token = token_,
+                                              .allowPytorchClients = options_.rdzvConf.allowPytorchClients,
+                                              .pytorchRunId = options_.rdzvId};
+      // The lost server's socket on a shared address can outlive the loss by milliseconds (its
+      // process still exits: a kernel frees its memory before its descriptors), and its workers
+      // no longer hold this agent back once they re-form in process: the bind is tried again for
+      // a moment before another server there is assumed.
+      std::string why;
+      const auto until = Clock::now() + std::chrono::milliseconds(1500);
+      for (;;) {
+        try {
+          server_ = std::make_unique<rendezvous::StoreServer>(serving);
+          break;
+        } catch (const NetworkError& e) {
+          why = e.what();
+        }
+        if (Clock::now() >= until) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(25));
+      }
+      if (!server_) {
         // Another agent of this run on the same address may serve there already (agents that
         // share a host): joined as a client, not passed over. Else the next successor's turn.
         const auto holder = portHolder(port);
         log::warn("cannot serve the rendezvous on {}:{} ({}{}): joining whoever serves there, else the next "
                   "successor takes over",
-                  address_, port, e.what(), holder ? ", held by " + *holder : "");
+                  address_, port, why, holder ? ", held by " + *holder : "");
       }
       if (server_) {
         log::warn("serving the rendezvous of run '{}' on {}:{} in place of {}", options_.rdzvId, address_, port,
