@@ -74,6 +74,7 @@ int ReformControl::addAbortHook(std::function<void(const std::string&)> hook) {
 }
 
 void ReformControl::removeAbortHook(int id) {
+  std::scoped_lock running(hooksRunning_);
   std::scoped_lock lock(mutex_);
   hooks_.erase(id);
 }
@@ -129,6 +130,7 @@ void ReformControl::readLoop() {
     if (message.contains("abort")) {
       const std::string why = message["abort"].is_string() ? message["abort"].get<std::string>() : "the round ended";
       std::map<int, std::function<void(const std::string&)>> hooks;
+      std::scoped_lock running(hooksRunning_);
       {
         std::scoped_lock lock(mutex_);
         aborted_ = true;

@@ -79,6 +79,8 @@ class ReformControl {
   bool closed_ = false;
   int nextHook_ = 1;
   std::map<int, std::function<void(const std::string&)>> hooks_;
+  // Held while the hooks run: removeAbortHook() waits for a running one (its runtime may go next).
+  std::mutex hooksRunning_;
   std::atomic<unsigned> collectiveFailures_{0};
   std::thread reader_;
 };
