@@ -140,7 +140,8 @@ bool WorkerGroup::adoptSpare(std::size_t index, const WorkerSpec& spec, WorkerGr
 
 bool WorkerGroup::reform(const std::vector<WorkerSpec>& specs, const std::set<int>& kept, const std::string& attemptDir,
                          std::string& why, WorkerGroup* spares) {
-  static const std::vector<const char*> kIdentity = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"};
+  // RANK and WORLD_SIZE may change (a node lost or added): the worker lays its shards out again.
+  static const std::vector<const char*> kIdentity = {"LOCAL_RANK", "LOCAL_WORLD_SIZE"};
   if (specs.size() != workers_.size()) {
     why = std::to_string(specs.size()) + " workers now, " + std::to_string(workers_.size()) + " before";
     return false;

@@ -214,6 +214,27 @@ class NodeJob {
   }
   int agentOfRank(int rank) const { return agentOfWorker("RANK", rank); }
   int agentOfGroupRank(int groupRank) const { return agentOfWorker("GROUP_RANK", groupRank); }
+  // The pids of the workers under agent `i` now (as they started: RANK set), sorted.
+  std::vector<int> workersUnder(int i) const {
+    std::vector<int> pids;
+    for (const int pid : processesWithEnvironment(tag_)) {
+      if (parentOf(pid) != agents_.at(static_cast<std::size_t>(i)).pid()) continue;
+      if (!environmentValue(pid, "RANK").empty()) pids.push_back(pid);  // not its guardian
+    }
+    std::sort(pids.begin(), pids.end());
+    return pids;
+  }
+  // Waits (bounded) for a resume line written after `since` (unix time); null when none came.
+  nlohmann::json waitForResume(double since, std::chrono::milliseconds within) const {
+    const auto deadline = std::chrono::steady_clock::now() + within;
+    for (;;) {
+      for (const auto& line : metricsLines(metricsPath())) {
+        if (line.value("type", "") == "resume" && line.value("unix_time", 0.0) > since) return line;
+      }
+      if (std::chrono::steady_clock::now() >= deadline) return nullptr;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
   // The global ranks of the workers under agent `i` now.
   std::vector<int> ranksUnder(int i) const {
     std::vector<int> ranks;

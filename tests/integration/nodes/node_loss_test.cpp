@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -41,8 +42,19 @@ TEST_F(NodeLoss, AKilledNodeOfFourIsRestoredFromItsPeerCopyAndThreeRanksEndAsARe
   // Not rank 0's node: its agent's output holds the summary this test reads.
   const int victim = job.agentOfRank(2);
   ASSERT_GE(victim, 0) << "no worker of rank 2 under any agent";
+  std::map<int, std::vector<int>> before;
+  for (int i = 0; i < job.agents(); ++i) {
+    if (i != victim) before[i] = job.workersUnder(i);
+  }
   const double killedAt = unixNow();
   ASSERT_TRUE(job.kill(victim));
+  // --restart_mode auto (the default): the survivors keep their processes, the world shrinks to
+  // 3 and their shards are laid out again in process.
+  const json resume = job.waitForResume(killedAt, 240s);
+  ASSERT_TRUE(resume.is_object()) << job.allErr();
+  EXPECT_EQ(resume.value("path", ""), "in_process") << resume << job.allErr();
+  EXPECT_EQ(resume.value("resharded_from_world", 0), 4) << resume;
+  for (const auto& [i, pids] : before) EXPECT_EQ(job.workersUnder(i), pids) << "agent " << i << "\n" << job.allErr();
   // Rank 0 of the restarted world prints the summary; whichever agent that is.
   const json summary = fsdp::testing::nodes::survivorsSucceed(job, victim, 300s);
   ASSERT_TRUE(summary.is_object()) << job.allErr();
@@ -67,6 +79,45 @@ TEST_F(NodeLoss, AKilledNodeOfFourIsRestoredFromItsPeerCopyAndThreeRanksEndAsARe
   EXPECT_EQ(reference.value("resumed_from_step", -1), resumed);
   EXPECT_EQ(summary.value("params_sha256", ""), reference.value("params_sha256", "?"))
       << "the survivors ended elsewhere than three ranks resumed from step " << resumed;
+  EXPECT_EQ(job.leftovers(), std::vector<std::string>{});
+}
+
+// Survivors never exit, across world sizes: 3 agents of a 2:3 job lose the node of rank 1. The
+// other two keep their processes; the world shrinks to 2, rank 2 becomes rank 1, and both lay
+// FSDP's shards out again in process and fill them from the snapshot of world 3 (the lost rank's
+// piece from its peer copy): the end equals 2 ranks resumed from that step's checkpoint.
+TEST_F(NodeLoss, ANodeLostOfThreeShrinksTheWorldAndTheSurvivorsReshardInProcess) {
+  NodeJob job("shrink", {.agents = 3, .nnodes = "2:3", .steps = kSteps});
+  ASSERT_TRUE(job.waitForStep(kKillAfter, 240s)) << job.allErr();
+  const int victim = job.agentOfRank(1);
+  ASSERT_GE(victim, 0) << "no worker of rank 1 under any agent";
+  std::map<int, std::vector<int>> before;
+  for (int i = 0; i < job.agents(); ++i) {
+    if (i != victim) before[i] = job.workersUnder(i);
+  }
+  const double killedAt = unixNow();
+  ASSERT_TRUE(job.kill(victim));
+  const json resume = job.waitForResume(killedAt, 240s);
+  ASSERT_TRUE(resume.is_object()) << job.allErr();
+  EXPECT_EQ(resume.value("path", ""), "in_process") << resume << job.allErr();
+  EXPECT_EQ(resume.value("resharded_from_world", 0), 3) << resume;
+  EXPECT_EQ(resume.value("source", ""), "peer copy") << resume;
+  for (const auto& [i, pids] : before) {
+    ASSERT_EQ(pids.size(), 1u);
+    EXPECT_EQ(job.workersUnder(i), pids) << "agent " << i << " has a new worker\n" << job.allErr();
+  }
+  const json summary = fsdp::testing::nodes::survivorsSucceed(job, victim, 300s);
+  ASSERT_TRUE(summary.is_object()) << job.allErr();
+  EXPECT_EQ(summary.value("world_size", 0), 2);
+  EXPECT_EQ(summary.value("steps", 0), kSteps);
+  const long long resumed = resume["step"].get<long long>();
+  EXPECT_EQ(summary.value("resumed_from_step", -1), resumed);
+  std::string error;
+  const auto reference = summaryOf(
+      fsdp::testing::nodes::resumedReference(job.dir() + "/ckpt", 3, 2, resumed, kSteps, job.tag(), error));
+  ASSERT_TRUE(error.empty()) << error;
+  EXPECT_EQ(summary.value("params_sha256", ""), reference.value("params_sha256", "?"))
+      << "the survivors ended elsewhere than two ranks resumed from step " << resumed;
   EXPECT_EQ(job.leftovers(), std::vector<std::string>{});
 }
 

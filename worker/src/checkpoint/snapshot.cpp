@@ -34,6 +34,8 @@ struct Buffer {
   char* map = nullptr;
   std::uint64_t bytes = 0;
   std::int64_t step = -1;  // the snapshot it holds for the keeper; -1: none
+  int rank = -1;           // ... of this rank of this world (a re-formation may move the rank)
+  int world = 0;
   // A layout made by step(): the header's reserved bytes and the small blocks' region at the
   // start of the data; 0: a layout write() made.
   std::uint64_t headerReserve = 0;
@@ -159,7 +161,10 @@ struct Snapshotter::Impl {
     }
     const bool all = forEachStateTensor(model, *optimizer, kind,
                                         [&](const at::Tensor&, const std::string&, at::Tensor& t) { return inside(live, t); });
-    if (all && live->step == step && world == runtime.worldSize()) return true;
+    if (all && live->step == step && live->world == world && world == runtime.worldSize() &&
+        live->rank == runtime.rank()) {
+      return true;
+    }
     at::NoGradGuard noGrad;
     forEachStateTensor(model, *optimizer, kind, [&](const at::Tensor&, const std::string&, at::Tensor& t) {
       if (inside(live, t)) t.set_(at::empty_like(t));
@@ -340,6 +345,8 @@ struct Snapshotter::Impl {
     const std::uint64_t dataOffset = snapshot::dataOffsetFor(header.size());
     const std::uint64_t total = buffer->bytes;
     buffer->step = step;
+    buffer->rank = rank;
+    buffer->world = world;
     snapshot::writePiecePrefix(buffer->map, header);
     for (std::size_t i = 0; i < plan.blocks.size(); ++i) {
       char* to = buffer->map + dataOffset + plan.blocks[i].offset;

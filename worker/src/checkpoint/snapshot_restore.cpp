@@ -201,6 +201,10 @@ std::optional<Restored> restoreFromKeepers(const KeeperLink& link, FullyShardedD
   const int world = rt.worldSize();
   const std::vector<NodeHoldings> nodes = gatherHoldings(link);
   const SnapshotChoice choice = chooseSnapshot(nodes, world);
+  // This rank's state either lies in the chosen snapshot's memory already (a survivor of a
+  // re-formation, the same rank of the same world) or moves out of the memory the keeper holds
+  // before anything writes it (another snapshot, another world, the disk).
+  const bool keepOwn = link.ownStateHolds && link.ownStateHolds(choice.step, choice.world) && choice.world == world;
   if (choice.world == 0) {
     if (rank == 0 && !choice.why.empty()) log::warn("{}", choice.why);
     return std::nullopt;
@@ -209,7 +213,6 @@ std::optional<Restored> restoreFromKeepers(const KeeperLink& link, FullyShardedD
   const int oldWorld = choice.world;
   const bool sameWorld = oldWorld == world;
   const std::string label = "the in-memory snapshot of step " + std::to_string(step);
-  const bool keepOwn = sameWorld && link.ownStateHolds && link.ownStateHolds(step, oldWorld);
 
   // Fetch the pieces and lay them out as a checkpoint's files. The same world: this rank's own
   // piece. Another world (a reshard): every piece of it, as the loader may read any.

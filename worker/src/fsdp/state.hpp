@@ -139,6 +139,11 @@ class FsdpState {
   // Issues the collectives of construction again, over the new round's communicators, as a new
   // process's constructor does; what the broadcasts bring is dropped (a restore follows).
   void replayConstruction();
+  // After the communicators were rebuilt for a new round: the shard group, this rank's place in
+  // it, and, when the group's size changed (a node lost or added), every flat parameter laid
+  // out again for it, as the constructor would lay it out: new shard memory under the same
+  // tensors (the optimizer's), unfilled. Returns whether the layout changed.
+  bool relayout();
 
  private:
   bool reshardAfterForward(int u) const;

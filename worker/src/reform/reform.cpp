@@ -51,11 +51,10 @@ struct RuntimeReform {
   static void rebuild(Runtime& rt, const std::map<std::string, std::string>& changes) {
     for (const auto& [key, value] : changes) ::setenv(key.c_str(), value.c_str(), 1);
     WorkerEnv next = WorkerEnv::fromEnvironment(processEnv());
-    if (next.rank != rt.env_.rank || next.worldSize != rt.env_.worldSize ||
-        next.localWorldSize != rt.env_.localWorldSize) {
-      throw ReformError("the new round moves rank " + std::to_string(rt.env_.rank) + " of " +
-                        std::to_string(rt.env_.worldSize) + " to rank " + std::to_string(next.rank) + " of " +
-                        std::to_string(next.worldSize) + ": FSDP's shards would change; a new process takes it");
+    if (next.localRank != rt.env_.localRank || next.localWorldSize != rt.env_.localWorldSize) {
+      throw ReformError("the new round moves local rank " + std::to_string(rt.env_.localRank) + " of " +
+                        std::to_string(rt.env_.localWorldSize) + " to " + std::to_string(next.localRank) + " of " +
+                        std::to_string(next.localWorldSize) + ": a new process takes it");
     }
     // The old round's communicators go first: their threads end, their shared memory goes.
     auto* comm = static_cast<ReformableCommunicator*>(rt.comm_.get());
@@ -149,8 +148,17 @@ ReformInfo reform(Runtime& runtime, FullyShardedDataParallel& model) {
                                                detail::RuntimeReform::timeout(runtime) + std::chrono::seconds(600)),
                                            why);
   if (!changes) throw ReformError("waiting for the new round: " + why);
+  const int wasRank = runtime.rank();
+  const int wasWorld = runtime.worldSize();
   detail::RuntimeReform::rebuild(runtime, *changes);
   state.replayConstruction();
+  info.previousRank = wasRank;
+  info.previousWorldSize = wasWorld;
+  info.resharded = state.relayout();
+  if (info.resharded) {
+    log::info("rank {} of {} (was {} of {}): FSDP's shards laid out again for the new world", runtime.rank(),
+              runtime.worldSize(), wasRank, wasWorld);
+  }
   info.round = runtime.env().round;
   info.restartCount = runtime.env().restartCount;
   info.ms = std::chrono::duration<double, std::milli>(detail::Clock::now() - start).count();

@@ -296,8 +296,9 @@ FitResult Trainer::fitRound(const Dataset& train, const Dataset* eval, const Ref
       std::snprintf(took, sizeof(took), "%.0f ms", restoreMs);
       std::string how;
       if (reformed != nullptr) {
-        char text[96];
-        std::snprintf(text, sizeof(text), " (re-formed in process in %.0f ms: round %d)", reformed->ms, reformed->round);
+        char text[160];
+        std::snprintf(text, sizeof(text), " (re-formed in process in %.0f ms: round %d%s)", reformed->ms, reformed->round,
+                      reformed->resharded ? ", shards laid out again for the new world" : "");
         how = text;
       }
       d.printLine("resumed from the in-memory snapshot of step " + std::to_string(step) +
@@ -327,6 +328,7 @@ FitResult Trainer::fitRound(const Dataset& train, const Dataset* eval, const Ref
     if (reformed != nullptr) {
       line["reform_ms"] = reformed->ms;
       line["round"] = reformed->round;
+      if (reformed->resharded) line["resharded_from_world"] = reformed->previousWorldSize;
     }
     d.writeMetrics(line);
   }

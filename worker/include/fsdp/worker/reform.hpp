@@ -2,10 +2,11 @@
 // Survivors never exit. Under fsdprun --restart_mode auto (the default), when a worker of the
 // job fails (on this node or another, or is named stuck by the hang watchdog), the agents kill
 // only that worker: the others' communicators are aborted, every blocked collective throws,
-// and each survivor re-forms in process: it joins the next round (its rank and the world stay;
-// the failed worker's new process fills its place), rebuilds its communicators and FSDP's
-// state, and restores the newest snapshot every rank holds (its own piece from its agent's
-// memory). What a new process pays (start-up, LibTorch, data, the model) only the replaced
+// and each survivor re-forms in process: it joins the next round (the failed worker's new
+// process fills its place; where a node was lost or added, the world changes size and ranks
+// may move), rebuilds its communicators and FSDP's state (its shards laid out again for a new
+// world size), and restores the newest snapshot every rank holds (its own piece from its
+// agent's memory; across world sizes, the pieces its new shards need). What a new process pays (start-up, LibTorch, data, the model) only the replaced
 // worker pays. fsdp::Trainer does all of it; a hand-written loop does this:
 //
 //   auto rt = fsdp::init();
@@ -33,12 +34,13 @@
 // repeats what it does after it: the Snapshotter's agreement (rejoin()), the restore). Its own
 // state is not copied when it lies in the snapshot restored (its memory is that snapshot's). Training resumes from the
 // restored step on every rank: the survivor's loop must take the step, the data position and
-// the RNG from what restore() returned, as a new process does.
+// the RNG from what restore() returned, as a new process does; and its rank and world from the
+// runtime again (rt->rank(), rt->worldSize(): a data sampler built on them is built again).
 //
 // What still restarts processes (the agent says why in one line): the failed process itself; a
 // worker outside a ReformScope (a PyTorch script, a program that does not use this) or already
-// re-forming (a second failure during a re-formation); a new round in which this worker's rank
-// or the world size changed (a node lost or added); HYBRID_SHARD's extra groups; a re-formation
+// re-forming (a second failure during a re-formation); a new round in which this worker's
+// local rank changed; HYBRID_SHARD's extra groups; a re-formation
 // that fails (reform() or the restore throws: the process ends, the agent starts a new one).
 
 #include <chrono>
@@ -50,7 +52,7 @@
 
 namespace fsdp::worker {
 
-// This process cannot re-form in process (the world changed shape, the model uses groups the
+// This process cannot re-form in process (its local rank moved, the model uses groups the
 // runtime does not own, no control channel): let it end; the agent starts a new one.
 class ReformError : public Error {
  public:
@@ -85,12 +87,19 @@ struct ReformInfo {
   int restartCount = 0;  // TORCHELASTIC_RESTART_COUNT now
   double ms = 0;         // from the call to the communicators rebuilt and FSDP's collectives done
   std::string why;       // the agent's reason for ending the round
+  // Where this process was before (Runtime::rank() and worldSize() say where it is now), and
+  // whether FSDP's shards were laid out again because the world changed size.
+  int previousRank = 0;
+  int previousWorldSize = 0;
+  bool resharded = false;
 };
 
 // The new round: waits for it (the agent sends it once every node has joined), takes its
 // environment, rebuilds the runtime's communicators and the store connection where it moved,
-// drops what the interrupted step left in `model`, and issues FSDP's collectives of
-// construction with the round's new processes. Throws ReformError when this process cannot go
+// drops what the interrupted step left in `model`, issues FSDP's collectives of construction
+// with the round's new processes, and, when the world changed size, lays the shards out for
+// it: their values and the optimizer's state for them are then the restore's to write (until
+// it, the optimizer holds state of the old size: restore before stepping). Throws ReformError when this process cannot go
 // on (see above), other errors when the new round fails; either way the process should end.
 ReformInfo reform(Runtime& runtime, FullyShardedDataParallel& model);
 
