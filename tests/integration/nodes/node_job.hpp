@@ -335,18 +335,23 @@ inline AroundKill aroundKill(const std::string& metricsPath, double killedAt) {
 // The reference for a run that lost ranks at `step`: `before` ranks (one agent, Gloo) that save
 // every step up to it into `checkpointDir`, then `after` ranks resumed from it to `steps`.
 // Returns the second run's stdout; "" with `error` set when either run failed.
+// `more`: flags both runs take (the job's own: --sharding).
 inline std::string resumedReference(const std::string& checkpointDir, int before, int after, long long step, int steps,
-                                    const std::string& tag, std::string& error) {
-  auto first = mnist({"--checkpoint_dir", checkpointDir, "--checkpoint_every", "1", "--keep_checkpoints", "0",
-                      "--snapshot_every", "0"},
-                     static_cast<int>(step));
+                                    const std::string& tag, std::string& error,
+                                    const std::vector<std::string>& more = {}) {
+  std::vector<std::string> flags = {"--checkpoint_dir", checkpointDir, "--checkpoint_every", "1",
+                                    "--keep_checkpoints", "0", "--snapshot_every", "0"};
+  flags.insert(flags.end(), more.begin(), more.end());
+  auto first = mnist(flags, static_cast<int>(step));
   first.insert(first.begin(), {kBin + "/fsdprun", "--nproc_per_node", std::to_string(before)});
   const auto r1 = runCommand(first, std::chrono::seconds(300), {"FSDPRUN_BACKEND=gloo", tag});
   if (r1.exitCode != 0) {
     error = r1.err;
     return "";
   }
-  auto second = mnist({"--checkpoint_dir", checkpointDir, "--snapshot_every", "0"}, steps);
+  flags = {"--checkpoint_dir", checkpointDir, "--snapshot_every", "0"};
+  flags.insert(flags.end(), more.begin(), more.end());
+  auto second = mnist(flags, steps);
   second.insert(second.begin(), {kBin + "/fsdprun", "--nproc_per_node", std::to_string(after)});
   const auto r2 = runCommand(second, std::chrono::seconds(300), {"FSDPRUN_BACKEND=gloo", tag});
   if (r2.exitCode != 0) {

@@ -86,8 +86,10 @@ TEST_F(NodeLoss, AKilledNodeOfFourIsRestoredFromItsPeerCopyAndThreeRanksEndAsARe
 // other two keep their processes; the world shrinks to 2, rank 2 becomes rank 1, and both lay
 // FSDP's shards out again in process and fill them from the snapshot of world 3 (the lost rank's
 // piece from its peer copy): the end equals 2 ranks resumed from that step's checkpoint.
-TEST_F(NodeLoss, ANodeLostOfThreeShrinksTheWorldAndTheSurvivorsReshardInProcess) {
-  NodeJob job("shrink", {.agents = 3, .nnodes = "2:3", .steps = kSteps});
+void shrinkInProcess(const std::string& sharding) {
+  NodeJob job("shrink", {.agents = 3,
+                         .nnodes = "2:3",
+                         .job = mnist({"--metrics_file", "{metrics}", "--sharding", sharding}, kSteps)});
   ASSERT_TRUE(job.waitForStep(kKillAfter, 240s)) << job.allErr();
   const int victim = job.agentOfRank(1);
   ASSERT_GE(victim, 0) << "no worker of rank 1 under any agent";
@@ -114,11 +116,17 @@ TEST_F(NodeLoss, ANodeLostOfThreeShrinksTheWorldAndTheSurvivorsReshardInProcess)
   EXPECT_EQ(summary.value("resumed_from_step", -1), resumed);
   std::string error;
   const auto reference = summaryOf(
-      fsdp::testing::nodes::resumedReference(job.dir() + "/ckpt", 3, 2, resumed, kSteps, job.tag(), error));
+      fsdp::testing::nodes::resumedReference(job.dir() + "/ckpt", 3, 2, resumed, kSteps, job.tag(), error,
+                                             {"--sharding", sharding}));
   ASSERT_TRUE(error.empty()) << error;
   EXPECT_EQ(summary.value("params_sha256", ""), reference.value("params_sha256", "?"))
-      << "the survivors ended elsewhere than two ranks resumed from step " << resumed;
+      << sharding << ": the survivors ended elsewhere than two ranks resumed from step " << resumed;
   EXPECT_EQ(job.leftovers(), std::vector<std::string>{});
+}
+
+TEST_F(NodeLoss, ANodeLostOfThreeShrinksTheWorldAndTheSurvivorsReshardInProcess) { shrinkInProcess("FULL_SHARD"); }
+TEST_F(NodeLoss, ANodeLostOfThreeShrinksTheWorldAndTheSurvivorsReshardInProcessShardGradOp) {
+  shrinkInProcess("SHARD_GRAD_OP");
 }
 
 TEST_F(NodeLoss, ANodeLostWithItsPeerCopysHolderSendsTheSurvivorsToDiskSayingWhy) {
