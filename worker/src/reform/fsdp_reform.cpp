@@ -45,8 +45,7 @@ void FsdpState::replayConstruction() {
 }
 
 bool FsdpState::relayout() {
-  // The shard group as chooseGroups() makes it for this world (HYBRID_SHARD's groups are the
-  // program's: reform() refuses those models before it comes here).
+  // The shard group as chooseGroups() makes it for this world.
   int size = 1;
   int rank = 0;
   switch (options_.strategy) {
@@ -60,8 +59,7 @@ bool FsdpState::relayout() {
       gradSyncComm_ = comm_.size() > 1 ? &comm_ : nullptr;
       break;
     case ShardingStrategy::kHybridShard:
-      if (shardComm_ != nullptr) size = shardComm_->size(), rank = shardComm_->rank();
-      break;
+      return false;  // its groups are the program's (reform() refuses such a model first)
   }
   const bool resized = size != shardSize_;
   shardSize_ = size;
