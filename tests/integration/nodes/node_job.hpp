@@ -96,6 +96,7 @@ struct NodeJobOptions {
   // share one host name and one address (agent 0, when it hosts, serves on 127.0.0.1).
   bool sharedAddress = false;
   std::vector<std::string> env;  // more of the agents' environment ("KEY=VALUE")
+  int deferred = 0;  // the last this many agents start only at startDeferred()
 };
 
 class NodeJob {
@@ -147,8 +148,17 @@ class NodeJob {
       fsdp::SpawnOptions spawn{.argv = argv, .env = env, .deathSignal = SIGKILL};
       spawn.stdoutPath = outPath(i);
       spawn.stderrPath = errPath(i);
-      agents_.push_back(fsdp::ChildProcess::spawn(spawn));
+      if (i >= options_.agents - options_.deferred) {
+        deferred_.push_back(std::move(spawn));
+      } else {
+        agents_.push_back(fsdp::ChildProcess::spawn(spawn));
+      }
     }
+  }
+  // Starts the agents NodeJobOptions::deferred held back (they join a running job as spares).
+  void startDeferred() {
+    for (const auto& spawn : deferred_) agents_.push_back(fsdp::ChildProcess::spawn(spawn));
+    deferred_.clear();
   }
 
   const std::string& dir() const { return dir_.path(); }
@@ -282,6 +292,7 @@ class NodeJob {
   std::optional<RdzvDaemon> daemon_;
   int rdzvPort_ = 0;
   std::vector<fsdp::ChildProcess> agents_;
+  std::vector<fsdp::SpawnOptions> deferred_;
 };
 
 // The wall-clock time now, as the metrics lines' unix_time has it.
