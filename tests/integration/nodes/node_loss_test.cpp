@@ -37,25 +37,48 @@ class NodeLoss : public ::testing::Test {
 };
 
 
+// Kills agent `victim` and checks that the others' workers re-form in process, each agent's one
+// worker keeping its pid, their shards laid out again from `worldBefore` ranks.
+struct InProcess {
+  double killedAt = 0;
+  json resume;  // null when none came
+};
+InProcess killExpectingReshardInProcess(NodeJob& job, int victim, int worldBefore) {
+  std::map<int, std::vector<int>> before;
+  for (int i = 0; i < job.agents(); ++i) {
+    if (i != victim) before[i] = job.workersUnder(i);
+  }
+  InProcess r;
+  r.killedAt = unixNow();
+  if (!job.kill(victim)) {
+    ADD_FAILURE() << "agent " << victim << " outlived SIGKILL";
+    return r;
+  }
+  r.resume = job.waitForResume(r.killedAt, 240s);
+  if (!r.resume.is_object()) {
+    ADD_FAILURE() << "no resume line after the kill\n" << job.allErr();
+    return r;
+  }
+  EXPECT_EQ(r.resume.value("path", ""), "in_process") << r.resume << job.allErr();
+  EXPECT_EQ(r.resume.value("resharded_from_world", 0), worldBefore) << r.resume;
+  for (const auto& [i, pids] : before) {
+    EXPECT_EQ(pids.size(), 1u);
+    EXPECT_EQ(job.workersUnder(i), pids) << "agent " << i << " has a new worker\n" << job.allErr();
+  }
+  return r;
+}
+
 TEST_F(NodeLoss, AKilledNodeOfFourIsRestoredFromItsPeerCopyAndThreeRanksEndAsAResumedRun) {
   NodeJob job("peer", {.agents = 4, .nnodes = "3:4", .steps = kSteps});
   ASSERT_TRUE(job.waitForStep(kKillAfter, 240s)) << job.allErr();
   // Not rank 0's node: its agent's output holds the summary this test reads.
   const int victim = job.agentOfRank(2);
   ASSERT_GE(victim, 0) << "no worker of rank 2 under any agent";
-  std::map<int, std::vector<int>> before;
-  for (int i = 0; i < job.agents(); ++i) {
-    if (i != victim) before[i] = job.workersUnder(i);
-  }
-  const double killedAt = unixNow();
-  ASSERT_TRUE(job.kill(victim));
   // --restart_mode auto (the default): the survivors keep their processes, the world shrinks to
   // 3 and their shards are laid out again in process.
-  const json resume = job.waitForResume(killedAt, 240s);
-  ASSERT_TRUE(resume.is_object()) << job.allErr();
-  EXPECT_EQ(resume.value("path", ""), "in_process") << resume << job.allErr();
-  EXPECT_EQ(resume.value("resharded_from_world", 0), 4) << resume;
-  for (const auto& [i, pids] : before) EXPECT_EQ(job.workersUnder(i), pids) << "agent " << i << "\n" << job.allErr();
+  const auto seen = killExpectingReshardInProcess(job, victim, 4);
+  ASSERT_TRUE(seen.resume.is_object());
+  const double killedAt = seen.killedAt;
   // Rank 0 of the restarted world prints the summary; whichever agent that is.
   const json summary = fsdp::testing::nodes::survivorsSucceed(job, victim, 300s);
   ASSERT_TRUE(summary.is_object()) << job.allErr();
@@ -94,21 +117,9 @@ void shrinkInProcess(const std::string& sharding) {
   ASSERT_TRUE(job.waitForStep(kKillAfter, 240s)) << job.allErr();
   const int victim = job.agentOfRank(1);
   ASSERT_GE(victim, 0) << "no worker of rank 1 under any agent";
-  std::map<int, std::vector<int>> before;
-  for (int i = 0; i < job.agents(); ++i) {
-    if (i != victim) before[i] = job.workersUnder(i);
-  }
-  const double killedAt = unixNow();
-  ASSERT_TRUE(job.kill(victim));
-  const json resume = job.waitForResume(killedAt, 240s);
-  ASSERT_TRUE(resume.is_object()) << job.allErr();
-  EXPECT_EQ(resume.value("path", ""), "in_process") << resume << job.allErr();
-  EXPECT_EQ(resume.value("resharded_from_world", 0), 3) << resume;
+  const json resume = killExpectingReshardInProcess(job, victim, 3).resume;
+  ASSERT_TRUE(resume.is_object());
   EXPECT_EQ(resume.value("source", ""), "peer copy") << resume;
-  for (const auto& [i, pids] : before) {
-    ASSERT_EQ(pids.size(), 1u);
-    EXPECT_EQ(job.workersUnder(i), pids) << "agent " << i << " has a new worker\n" << job.allErr();
-  }
   const json summary = fsdp::testing::nodes::survivorsSucceed(job, victim, 300s);
   ASSERT_TRUE(summary.is_object()) << job.allErr();
   EXPECT_EQ(summary.value("world_size", 0), 2);
