@@ -49,6 +49,9 @@ void WorkerGroup::readControl(Worker& w) {
       return;
     }
     if (const auto it = message.find("ready"); it != message.end() && it->is_boolean()) w.ready = it->get<bool>();
+    if (const auto it = message.find("device_memory"); it != message.end() && it->is_boolean()) {
+      w.deviceMemory = it->get<bool>();
+    }
     if (const auto it = message.find("reformed"); it != message.end() && it->is_object()) {
       log::info("rank {} (pid {}) re-formed in process: round {}", w.spec.rank, w.process ? w.process->pid() : -1,
                 it->value("round", -1));
@@ -86,7 +89,11 @@ void WorkerGroup::notifyAbort(const std::set<int>& localRanks, const std::string
 
 void WorkerGroup::clearSlot(std::size_t index) {
   Worker& w = workers_[index];
-  if (w.process && !w.reported) {
+  if (w.process && !w.reported && w.exitTold && !w.deviceMemory) {
+    // Dying, and what it holds the kernel frees without anyone waiting: reap() reaps it.
+    dying_.push_back(std::move(*w.process));
+    w.process.reset();
+  } else if (w.process && !w.reported) {
     const pid_t pid = w.process->pid();
     w.process.reset();  // kills the process group and reaps it
     guardian_.forget(pid);
@@ -106,6 +113,7 @@ void WorkerGroup::clearSlot(std::size_t index) {
   w.partial.clear();
   w.reported = false;
   w.exitTold = false;
+  w.deviceMemory = true;
 }
 
 bool WorkerGroup::adoptSpare(std::size_t index, const WorkerSpec& spec, WorkerGroup& spares) {

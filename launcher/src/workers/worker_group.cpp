@@ -211,6 +211,11 @@ WorkerGroup::~WorkerGroup() {
     }
     w.lifeline.reset();
   }
+  for (auto& p : dying_) {
+    const pid_t pid = p.pid();
+    { const ChildProcess last = std::move(p); }  // waits for its end
+    guardian_.forget(pid);
+  }
   for (const int fd : lifelineNews_) ::close(fd);
 }
 
@@ -350,6 +355,11 @@ void WorkerGroup::takeLifelineNews(std::vector<WorkerExit>& exits) {
 std::vector<WorkerExit> WorkerGroup::reap() {
   std::vector<WorkerExit> exits;
   takeLifelineNews(exits);
+  std::erase_if(dying_, [this](ChildProcess& p) {
+    if (!p.tryWait()) return false;
+    guardian_.forget(p.pid());
+    return true;
+  });
   for (auto& w : workers_) {
     if (w.reported || !w.process) continue;
     const pid_t pid = w.process->pid();
@@ -391,7 +401,10 @@ void WorkerGroup::signalAll(int sig, const std::set<int>& spare) {
 
 std::size_t WorkerGroup::running(const std::set<int>& besides) const {
   std::size_t n = 0;
-  for (const auto& w : workers_) n += w.process && !w.reported && !besides.contains(w.spec.localRank) ? 1 : 0;
+  for (const auto& w : workers_) {
+    const bool gone = w.reported || (w.exitTold && !w.deviceMemory);
+    n += w.process && !gone && !besides.contains(w.spec.localRank) ? 1 : 0;
+  }
   return n;
 }
 

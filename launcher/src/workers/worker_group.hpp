@@ -92,8 +92,9 @@ class WorkerGroup {
   // Sends `sig` to every running worker's process group; after a stop signal also SIGCONT, so
   // that a stopped worker can act on it.
   void signalAll(int sig, const std::set<int>& spare = {});
-  // Workers not reaped yet (one that has begun to exit still counts: its memory, a GPU's
-  // included, is not free before it is reaped), besides the local ranks `besides`.
+  // Workers not reaped yet, besides the local ranks `besides`. One that has begun to exit still
+  // counts (its memory, a GPU's included, is not free before it is reaped), unless its program
+  // said it holds no GPU memory (control channel): the kernel frees host memory by itself.
   std::size_t running(const std::set<int>& besides = {}) const;
 
   // In-process re-formation (worker_control.cpp). The local ranks running whose program says it
@@ -147,6 +148,7 @@ class WorkerGroup {
     int activation = -1;           // a standby's pipe (write end) until activate()
     int control = -1;              // the control channel (agent's end), -1: none
     bool ready = false;            // it said it survives a failure elsewhere in process
+    bool deviceMemory = true;      // it may hold GPU memory (unless its program said not)
     std::unique_ptr<LifelineWatch> lifeline;
     std::shared_ptr<flight::RingMemory> flight;
     std::shared_ptr<PyStackFile> pystacks;
@@ -156,7 +158,8 @@ class WorkerGroup {
   // reform(): workers_[index] becomes the spare of `spec`'s local rank in `spares`, activated with
   // `spec`'s round; false (nothing done) when none waits with the identity `spec` needs.
   bool adoptSpare(std::size_t index, const WorkerSpec& spec, WorkerGroup& spares);
-  // reform(): what is left of workers_[index] goes (its process killed and reaped, its pipes).
+  // reform(): what is left of workers_[index] goes (its process killed and reaped, or left to
+  // reap() when it holds no GPU memory; its pipes).
   void clearSlot(std::size_t index);
   void readControl(Worker& w);
   void setUpStream(Worker& w, Stream& s, int bit, SpawnOptions& spawn);
@@ -168,6 +171,8 @@ class WorkerGroup {
   std::string dirOf(int localRank) const;
 
   std::vector<Worker> workers_;
+  // Replaced workers still exiting (no GPU memory: nothing waits for them), reaped in reap().
+  std::vector<ChildProcess> dying_;
   OutputOptions output_;
   std::string attemptDir_;
   Guardian& guardian_;

@@ -52,6 +52,8 @@ void ReformControl::announceLocked() {
   send(nlohmann::json{{"ready", now}}.dump());
 }
 
+void ReformControl::tellDeviceMemory(bool mayHold) { send(nlohmann::json{{"device_memory", mayHold}}.dump()); }
+
 void ReformControl::setReady(bool ready) {
   if (fd_ < 0) return;
   std::scoped_lock lock(mutex_);

@@ -7,6 +7,9 @@
 //                    {"ready": false}  it does not (left, or re-forming: a new failure now
 //                                      costs this process)
 //                    {"reformed": {"round": N}}  back in training after a re-formation
+//                    {"device_memory": B}  whether it may hold GPU memory (false: LibTorch has
+//                                      no CUDA device here; the agent then need not wait for
+//                                      the kernel to free a dead one's memory before replacing it)
 //   agent -> worker  {"abort": "why"}  the round ended: every communicator is aborted now
 //                    {"reform": {"env": {KEY: VALUE}}}  the new round: what changed in the
 //                                      environment (RANK, WORLD_SIZE, FSDPRUN_ROUND, ...)
@@ -50,6 +53,8 @@ class ReformControl {
   // The new round's environment changes, waiting up to `bound`; nullopt when the bound passed or
   // the channel closed (`why` says which).
   std::optional<std::map<std::string, std::string>> awaitReform(std::chrono::milliseconds bound, std::string& why);
+  // Tells the agent whether this process may hold GPU memory (once, at fsdp::init()).
+  void tellDeviceMemory(bool mayHold);
   // Re-forming: not ready (a second failure now costs this process) until reformed().
   void setReforming(bool reforming);
   // Back in training: clears the notice, tells the agent (ready again if a scope holds).

@@ -2,6 +2,8 @@
 // the new round under the same objects) and the public calls.
 #include "fsdp/worker/reform.hpp"
 
+#include <ATen/Context.h>
+
 #include <cstdlib>
 
 #include "comm/recorded_communicator.hpp"
@@ -31,6 +33,8 @@ struct RuntimeReform {
   static void enable(Runtime& rt) {
     auto& control = ReformControl::process();
     if (!control.active() || rt.abortHook_ != 0) return;
+    // A CPU-only process: its replacement need not wait until the kernel has freed its memory.
+    control.tellDeviceMemory(at::hasCUDA());
     rt.abortHook_ = control.addAbortHook([&rt](const std::string& why) {
       // The control channel's thread: every blocked collective of this process wakes.
       if (rt.comm_) rt.comm_->abort(why);
