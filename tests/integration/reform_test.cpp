@@ -122,16 +122,19 @@ class Reform : public ::testing::Test {
     for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
     env.push_back(tag);
     env.push_back("TMPDIR=" + dir.path());
+    env.insert(env.end(), extraEnv_.begin(), extraEnv_.end());
     return fsdp::ChildProcess::spawn(
         {.argv = argv, .env = env, .stdoutPath = dir.path() + "/out", .stderrPath = dir.path() + "/err"});
   }
 
   static inline std::string reference_;
+  std::vector<std::string> extraEnv_;
 };
 
 // Must-show 2: rank 1 SIGKILLed in the middle of a step; the same parameters in both modes as
 // an uninterrupted run; in auto mode the survivors' pids stay.
 TEST_F(Reform, ARankKilledMidStepEndsBitIdenticalInBothModesAndTheSurvivorsKeepTheirProcesses) {
+  extraEnv_ = {"FSDP_LOG_LEVEL=debug"};  // the keeper's debug line: rank 1's old snapshots reused
   for (const std::string mode : {"auto", "process"}) {
     SCOPED_TRACE("--restart_mode " + mode);
     TempDir dir;
@@ -152,6 +155,10 @@ TEST_F(Reform, ARankKilledMidStepEndsBitIdenticalInBothModesAndTheSurvivorsKeepT
     EXPECT_EQ(summary.value("params_sha256", ""), reference_) << r.out;
     const auto resume = *resumeLine(metrics);
     EXPECT_EQ(resume.value("source", ""), "memory");
+    // The new rank 1 restored, then took the memory of its rank's older snapshots back for its
+    // next ones (and the result above is still the uninterrupted run's).
+    EXPECT_NE(r.err.find("snapshot keeper: the snapshot of rank 1 (world 3) at step"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("goes back to its rank for reuse"), std::string::npos) << r.err;
     if (mode == "auto") {
       EXPECT_EQ(resume.value("path", ""), "in_process") << resume.dump();
       ASSERT_EQ(after.size(), 3u);

@@ -240,6 +240,32 @@ struct SnapshotKeeper::Impl {
       snapshot::sendMessage(sock, json{{"ok", true}, {"peer", found->peer}}.dump(), found->fd.get());
       return "";
     }
+    if (op == "recycle") {
+      // A rank that restored step `before` needs none of its older pieces again: their memory
+      // goes back to it for its next snapshots. Its newest piece always stays.
+      const auto integer = [&request](const char* key) {
+        const auto it = request.find(key);
+        return it != request.end() && it->is_number_integer() ? it->get<std::int64_t>() : std::int64_t{-1};
+      };
+      const std::int64_t rank = integer("rank");
+      const std::int64_t world = integer("world");
+      std::scoped_lock lock(mutex);
+      auto oldest = pieces.end();
+      std::int64_t newestStep = -1;
+      for (auto it = pieces.begin(); it != pieces.end(); ++it) {
+        if (it->rank != rank || it->world != world || it->peer) continue;
+        newestStep = std::max(newestStep, it->step);
+        if (oldest == pieces.end() || it->step < oldest->step) oldest = it;
+      }
+      const auto before = std::min(integer("before"), newestStep);
+      if (oldest == pieces.end() || oldest->step >= before) return json{{"ok", false}, {"error", "none older"}}.dump();
+      Fd fd = std::move(oldest->fd);
+      const json answer{{"ok", true}, {"step", oldest->step}};
+      log::debug("snapshot keeper: the {} goes back to its rank for reuse", describe(*oldest));
+      drop(oldest);
+      snapshot::sendMessage(sock, answer.dump(), fd.get());
+      return "";
+    }
     return json{{"ok", false}, {"error", "unknown op '" + op + "'"}}.dump();
   }
 

@@ -110,6 +110,52 @@ TEST(SnapshotKeeper, KeepsTheNewestThreePerRankAndHandsThemBackUnchanged) {
   EXPECT_EQ(c.list(), (std::vector<T>{{0, 1, 9, false}}));
 }
 
+std::optional<json> sendPeer(const SnapshotKeeper& keeper, const json& header, int piece, std::uint64_t bytes);
+
+TEST(SnapshotKeeper, ARankThatRestoredTakesBackOnlyItsOwnOlderPiecesAndNeverItsNewest) {
+  SnapshotKeeper keeper(options());
+  Client c(keeper);
+  for (int step = 4; step <= 6; ++step) {
+    for (int rank = 0; rank < 2; ++rank) ASSERT_TRUE(c.put(makePiece(rank, 2, step))["ok"].get<bool>());
+  }
+  // A peer copy of another node's rank 1 at an older step: not this node's to hand out.
+  Fd copy = makePiece(1, 2, 3, 4096).fd;
+  const std::uint64_t copyBytes = fsdp::snapshot::fileBytes(copy.get());
+  json header{{"run", "keeper-test"}, {"rank", 1}, {"world", 2}, {"step", 3}, {"bytes", copyBytes},
+              {"mac", fsdp::snapshot::peerMac("secret", "keeper-test", 1, 2, 3, copyBytes)}};
+  ASSERT_TRUE(sendPeer(keeper, header, copy.get(), copyBytes).value_or(json{}).value("ok", false));
+  const std::uint64_t heldBefore = keeper.stats().bytesHeld;
+  // Rank 1 restored step 6: its steps 4 and 5 come back, oldest first, as writable memory with
+  // their bytes; step 6 stays, whatever `before` says.
+  std::vector<std::int64_t> taken;
+  for (int i = 0; i < 4; ++i) {
+    Fd piece;
+    const auto answer = c.ask({{"op", "recycle"}, {"rank", 1}, {"world", 2}, {"before", 99}}, -1, &piece);
+    if (!answer.value("ok", false)) {
+      EXPECT_FALSE(piece);
+      break;
+    }
+    ASSERT_TRUE(piece);
+    const std::uint64_t bytes = fsdp::snapshot::fileBytes(piece.get());
+    void* map = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, piece.get(), 0);
+    ASSERT_NE(map, MAP_FAILED);
+    const auto header = json::parse(fsdp::snapshot::readPieceHeader(piece.get(), "piece"));
+    EXPECT_EQ(header["step"], answer["step"]);
+    ::munmap(map, bytes);
+    taken.push_back(answer["step"].get<std::int64_t>());
+  }
+  EXPECT_EQ(taken, (std::vector<std::int64_t>{4, 5}));
+  using T = std::tuple<int, int, std::int64_t, bool>;
+  EXPECT_EQ(c.list(), (std::vector<T>{{0, 2, 4, false}, {0, 2, 5, false}, {0, 2, 6, false},
+                                     {1, 2, 3, true}, {1, 2, 6, false}}));
+  EXPECT_LT(keeper.stats().bytesHeld, heldBefore);
+  // Nothing older than `before` (rank 0 restored step 4), another world, a malformed request.
+  EXPECT_FALSE(c.ask({{"op", "recycle"}, {"rank", 0}, {"world", 2}, {"before", 4}})["ok"].get<bool>());
+  EXPECT_FALSE(c.ask({{"op", "recycle"}, {"rank", 0}, {"world", 3}, {"before", 6}})["ok"].get<bool>());
+  EXPECT_FALSE(c.ask({{"op", "recycle"}, {"rank", "0"}})["ok"].get<bool>());
+  EXPECT_EQ(c.list().size(), 5u);
+}
+
 TEST(SnapshotKeeper, AnUnsealedPieceOrGarbageIsRefusedAndTheKeeperServesOn) {
   SnapshotKeeper keeper(options());
   Client c(keeper);

@@ -194,15 +194,39 @@ struct Snapshotter::Impl {
       }
     }
     auto b = std::make_shared<Buffer>();
+    b->bytes = bytes;
     b->fd = snapshot::createMemfd("fsdprun-snapshot-r" + std::to_string(runtime.rank()) + "-s" + std::to_string(step),
                                   bytes);
     snapshot::sealPiece(b->fd.get(), /*writes=*/false);
     void* map = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, b->fd.get(), 0);
     if (map == MAP_FAILED) throwErrno("mapping a snapshot of " + std::to_string(bytes) + " bytes", errno);
     b->map = static_cast<char*>(map);
-    b->bytes = bytes;
     buffers.push_back(b);
     return b;
+  }
+
+  // A process without snapshot memory yet (a replacement) that restored `step` takes back its
+  // rank's older pieces from the keeper: nobody restores them any more, and their memory is what
+  // its next snapshots need (no new memory to fault in on the first steps). Best effort.
+  void recycleOlder(std::int64_t step) {
+    if (!buffers.empty() || live) return;
+    try {
+      for (int i = 0; i < 3; ++i) {
+        Fd fd;
+        const json answer = ask({{"op", "recycle"}, {"rank", runtime.rank()}, {"world", runtime.worldSize()},
+                                 {"before", step}}, -1, &fd);
+        if (!answer.value("ok", false) || !fd) return;
+        auto b = std::make_shared<Buffer>();
+        b->bytes = snapshot::fileBytes(fd.get());
+        void* map = ::mmap(nullptr, b->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+        if (map == MAP_FAILED) return;  // sealed against writes: not reusable
+        b->fd = std::move(fd);
+        b->map = static_cast<char*>(map);
+        buffers.push_back(std::move(b));
+      }
+    } catch (const std::exception& e) {
+      log::debug("rank {}: no snapshot memory taken back from the keeper: {}", runtime.rank(), e.what());
+    }
   }
 
   // Lays a zero-copy snapshot out in `buffer` when the plan's shards and optimizer state already
@@ -509,6 +533,7 @@ std::optional<TrainingProgress> Snapshotter::restore(FullyShardedDataParallel& m
                         }};
   auto restored = restoreFromKeepers(link, model, optimizer);
   if (!restored) return std::nullopt;
+  d.recycleOlder(restored->progress.step);
   d.restoredFrom = std::move(restored->source);
   return std::move(restored->progress);
 }

@@ -15,6 +15,10 @@
 //                                     | {"ok":false,"error":"..."}
 //   {"op":"list"}                  -> {"ok":true,"pieces":[{"rank","world","step","bytes","peer"}]}
 //   {"op":"get","rank","world","step"} -> {"ok":true,"peer":bool} + the piece | {"ok":false,...}
+//   {"op":"recycle","rank","world","before"} -> {"ok":true,"step"} + the rank's oldest local
+//                                     piece older than `before` and than its newest, no longer
+//                                     held (a rank that restored `before` reuses its memory)
+//                                     | {"ok":false,...} when none
 // On TCP, frames of a u32 length (host order, at most 64 KiB) and JSON; a stream may carry
 // any number of requests, one after the other:
 //   put (a peer copy; "op" may be absent): {"op":"put","run","rank","world","step","bytes","mac"}
