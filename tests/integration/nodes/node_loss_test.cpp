@@ -141,40 +141,47 @@ TEST_F(NodeLoss, ANodeLostOfThreeShrinksTheWorldAndTheSurvivorsReshardInProcessS
   shrinkInProcess("SHARD_GRAD_OP");
 }
 
-// A world that grows in process: 2 agents of a 2:3 job train; a third joins, which ends the round
-// (as torchrun's rendezvous does: there is room for it). Both workers keep their processes and
-// lay their shards out for 3 ranks (from 2); the new node's worker restores its piece of the
-// snapshot of world 2 over TCP. The end equals 3 ranks resumed from that step's checkpoint of 2.
-TEST_F(NodeLoss, ANodeAddedGrowsTheWorldAndTheRunningWorkersReshardInProcess) {
+// A world that grows in process: 2 agents of a 2:3 job train (or 1 of 1:2); one more joins, which
+// ends the round (as torchrun's rendezvous does: there is room for it). The running workers keep
+// their processes and lay their shards out for 3 ranks (from 2); the new node's worker restores
+// its piece of the snapshot of world 2 over TCP. The end equals 3 ranks resumed from that step's
+// checkpoint of 2.
+// `running` agents of a running:running+1 job train; one more joins.
+void growInProcess(int running) {
   constexpr int kLonger = 40;
-  NodeJob job("grow", {.agents = 3, .nnodes = "2:3", .steps = kLonger, .deferred = 1});
+  const std::string nnodes = std::to_string(running) + ":" + std::to_string(running + 1);
+  NodeJob job("grow", {.agents = running + 1, .nnodes = nnodes, .steps = kLonger, .deferred = 1});
   ASSERT_TRUE(job.waitForStep(4, 240s)) << job.allErr();
-  const std::vector<int> before0 = job.workersUnder(0);
-  const std::vector<int> before1 = job.workersUnder(1);
-  ASSERT_EQ(before0.size(), 1u);
-  ASSERT_EQ(before1.size(), 1u);
+  std::vector<std::vector<int>> before;
+  for (int i = 0; i < running; ++i) {
+    before.push_back(job.workersUnder(i));
+    ASSERT_EQ(before.back().size(), 1u);
+  }
   const double joinedAt = unixNow();
   job.startDeferred();
   const json resume = job.waitForResume(joinedAt, 240s);
   ASSERT_TRUE(resume.is_object()) << job.allErr();
   EXPECT_EQ(resume.value("path", ""), "in_process") << resume << job.allErr();
-  EXPECT_EQ(resume.value("resharded_from_world", 0), 2) << resume;
-  EXPECT_EQ(job.workersUnder(0), before0) << job.allErr();
-  EXPECT_EQ(job.workersUnder(1), before1) << job.allErr();
+  EXPECT_EQ(resume.value("resharded_from_world", 0), running) << resume;
+  for (int i = 0; i < running; ++i) EXPECT_EQ(job.workersUnder(i), before[static_cast<std::size_t>(i)]) << job.allErr();
   const json summary = fsdp::testing::nodes::survivorsSucceed(job, -1, 300s);
   ASSERT_TRUE(summary.is_object()) << job.allErr();
-  EXPECT_EQ(summary.value("world_size", 0), 3);
+  EXPECT_EQ(summary.value("world_size", 0), running + 1);
   EXPECT_EQ(summary.value("steps", 0), kLonger);
   const long long resumed = resume["step"].get<long long>();
   EXPECT_EQ(summary.value("resumed_from_step", -1), resumed);
   std::string error;
-  const auto reference = summaryOf(
-      fsdp::testing::nodes::resumedReference(job.dir() + "/ckpt", 2, 3, resumed, kLonger, job.tag(), error));
+  const auto reference = summaryOf(fsdp::testing::nodes::resumedReference(job.dir() + "/ckpt", running, running + 1,
+                                                                          resumed, kLonger, job.tag(), error));
   ASSERT_TRUE(error.empty()) << error;
   EXPECT_EQ(summary.value("params_sha256", ""), reference.value("params_sha256", "?"))
-      << "the job ended elsewhere than three ranks resumed from step " << resumed;
+      << "the job ended elsewhere than " << running + 1 << " ranks resumed from step " << resumed;
   EXPECT_EQ(job.leftovers(), std::vector<std::string>{});
 }
+
+TEST_F(NodeLoss, ANodeAddedGrowsTheWorldAndTheRunningWorkersReshardInProcess) { growInProcess(2); }
+// From one rank: FSDP's full buffers at world 1 are the parameters themselves (not sharded).
+TEST_F(NodeLoss, ANodeAddedToOneGrowsTheWorldAndItsWorkerShardsInProcess) { growInProcess(1); }
 
 TEST_F(NodeLoss, ANodeLostWithItsPeerCopysHolderSendsTheSurvivorsToDiskSayingWhy) {
   constexpr int kEvery = 4;

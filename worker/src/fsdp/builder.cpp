@@ -195,13 +195,14 @@ void compareModelDigests(Communicator& comm, at::Tensor mine) {
 
 void FsdpBuilder::syncModuleStates() {
   auto& comm = state_.comm_;
-  if (comm.size() == 1) return;
   at::NoGradGuard noGrad;
   std::vector<at::Tensor> tensors = originals_;
   for (const auto& b : root_.inner_ptr_->buffers()) tensors.push_back(b);
   for (auto& t : tensors) {
+    // Kept at world 1 too: a world that grows in process replays them with its new processes.
     state_.constructionBroadcasts_.push_back(t.options().dtype(t.scalar_type()).device(t.device()));
     state_.constructionShapes_.push_back(t.sizes().vec());
+    if (comm.size() == 1) continue;
     if (t.is_contiguous()) {
       comm.broadcast(t, 0).wait();
     } else {
