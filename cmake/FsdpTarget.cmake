@@ -12,7 +12,7 @@ function(fsdp_target_defaults target)
     # (std::regex, std::function) where nothing is; the plain build keeps the warning.
     # -O1 -g1 after the build type's -O2 -g: what the sanitizers' reports need (line tables and
     # function names; ASan's own advice is -O1) at about 60% of the compile time of -O2 -g, which
-    # is most of CI's second build (worker/src/checkpoint/snapshot.cpp: 48 s against 78 s).
+    # is most of CI's second build (worker/src/checkpoint/snapshot/snapshot.cpp: 48 s against 78 s).
     target_compile_options(${target} PRIVATE -fsanitize=address,undefined -fno-omit-frame-pointer
                                              -fno-sanitize-recover=undefined -Wno-maybe-uninitialized
                                              -O1 -g1)

@@ -12,13 +12,13 @@
 #include <fstream>
 #include <list>
 
-#include "checkpoint_internal.hpp"
+#include "checkpoint/checkpoint_internal.hpp"
+#include "checkpoint/job_thread.hpp"
 #include "comm/recorded_communicator.hpp"
 #include "fsdp/worker/flight_recorder.hpp"
 #include "fsdp/common/log.hpp"
 #include "fsdp/common/snapshot_wire.hpp"
 #include "fsdp/worker/runtime.hpp"
-#include "job_thread.hpp"
 #include "snapshot_fetch.hpp"
 #include "snapshot_restore.hpp"
 

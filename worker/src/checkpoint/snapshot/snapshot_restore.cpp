@@ -8,7 +8,7 @@
 #include <map>
 #include <set>
 
-#include "checkpoint_internal.hpp"
+#include "checkpoint/checkpoint_internal.hpp"
 #include "comm/recorded_communicator.hpp"
 #include "fsdp/common/log.hpp"
 #include "fsdp/worker/runtime.hpp"

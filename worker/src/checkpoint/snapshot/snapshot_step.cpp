@@ -12,7 +12,7 @@
 
 #include <cmath>
 
-#include "checkpoint_internal.hpp"
+#include "checkpoint/checkpoint_internal.hpp"
 #include "fsdp/worker/snapshot.hpp"
 #include "fsdp/worker/torch_compat.hpp"
 
