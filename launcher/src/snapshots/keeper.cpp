@@ -241,8 +241,9 @@ struct SnapshotKeeper::Impl {
       return "";
     }
     if (op == "recycle") {
-      // A rank that restored step `before` needs none of its older pieces again: their memory
-      // goes back to it for its next snapshots. Its newest piece always stays.
+      // A rank that restored step `before` takes back the memory of the piece its next put would
+      // drop anyway (the oldest of kKeepLocal, older than `before`), for that next snapshot. The
+      // others stay: a failure before that put may still need to fall back to them.
       const auto integer = [&request](const char* key) {
         const auto it = request.find(key);
         return it != request.end() && it->is_number_integer() ? it->get<std::int64_t>() : std::int64_t{-1};
@@ -252,13 +253,15 @@ struct SnapshotKeeper::Impl {
       std::scoped_lock lock(mutex);
       auto oldest = pieces.end();
       std::int64_t newestStep = -1;
+      int count = 0;
       for (auto it = pieces.begin(); it != pieces.end(); ++it) {
         if (it->rank != rank || it->world != world || it->peer) continue;
+        ++count;
         newestStep = std::max(newestStep, it->step);
         if (oldest == pieces.end() || it->step < oldest->step) oldest = it;
       }
       const auto before = std::min(integer("before"), newestStep);
-      if (oldest == pieces.end() || oldest->step >= before) return json{{"ok", false}, {"error", "none older"}}.dump();
+      if (count < kKeepLocal || oldest->step >= before) return json{{"ok", false}, {"error", "none to spare"}}.dump();
       Fd fd = std::move(oldest->fd);
       const json answer{{"ok", true}, {"step", oldest->step}};
       log::debug("snapshot keeper: the {} goes back to its rank for reuse", describe(*oldest));

@@ -16,7 +16,8 @@
 //   {"op":"list"}                  -> {"ok":true,"pieces":[{"rank","world","step","bytes","peer"}]}
 //   {"op":"get","rank","world","step"} -> {"ok":true,"peer":bool} + the piece | {"ok":false,...}
 //   {"op":"recycle","rank","world","before"} -> {"ok":true,"step"} + the rank's oldest local
-//                                     piece older than `before` and than its newest, no longer
+//                                     piece when its next put would drop it (it holds the
+//                                     most it keeps) and it is older than `before`, no longer
 //                                     held (a rank that restored `before` reuses its memory)
 //                                     | {"ok":false,...} when none
 // On TCP, frames of a u32 length (host order, at most 64 KiB) and JSON; a stream may carry

@@ -205,25 +205,23 @@ struct Snapshotter::Impl {
     return b;
   }
 
-  // A process without snapshot memory yet (a replacement) that restored `step` takes back its
-  // rank's older pieces from the keeper: nobody restores them any more, and their memory is what
-  // its next snapshots need (no new memory to fault in on the first steps). Best effort.
+  // A process without snapshot memory yet (a replacement) that restored `step` takes back the
+  // piece of its rank that the keeper drops at its next put anyway: its memory is what that next
+  // snapshot needs (no new memory to fault in on the first step after a restore). Best effort.
   void recycleOlder(std::int64_t step) {
     if (!buffers.empty() || live) return;
     try {
-      for (int i = 0; i < 3; ++i) {
-        Fd fd;
-        const json answer = ask({{"op", "recycle"}, {"rank", runtime.rank()}, {"world", runtime.worldSize()},
-                                 {"before", step}}, -1, &fd);
-        if (!answer.value("ok", false) || !fd) return;
-        auto b = std::make_shared<Buffer>();
-        b->bytes = snapshot::fileBytes(fd.get());
-        void* map = ::mmap(nullptr, b->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
-        if (map == MAP_FAILED) return;  // sealed against writes: not reusable
-        b->fd = std::move(fd);
-        b->map = static_cast<char*>(map);
-        buffers.push_back(std::move(b));
-      }
+      Fd fd;
+      const json answer = ask({{"op", "recycle"}, {"rank", runtime.rank()}, {"world", runtime.worldSize()},
+                               {"before", step}}, -1, &fd);
+      if (!answer.value("ok", false) || !fd) return;
+      auto b = std::make_shared<Buffer>();
+      b->bytes = snapshot::fileBytes(fd.get());
+      void* map = ::mmap(nullptr, b->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+      if (map == MAP_FAILED) return;  // sealed against writes: not reusable
+      b->fd = std::move(fd);
+      b->map = static_cast<char*>(map);
+      buffers.push_back(std::move(b));
     } catch (const std::exception& e) {
       log::debug("rank {}: no snapshot memory taken back from the keeper: {}", runtime.rank(), e.what());
     }
