@@ -20,6 +20,7 @@
 #include <cstring>
 #include <functional>
 #include <list>
+#include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -48,7 +49,12 @@ struct Piece {
   int round = 0;
   std::uint64_t bytes = 0;
   bool peer = false;
+  // Copied by each remote get for as long as it sends the piece: while copies live, its memory
+  // must not be written again (neither handed back nor named free to its rank).
+  std::shared_ptr<const bool> sending = std::make_shared<const bool>(true);
 };
+
+bool beingSent(const Piece& p) { return p.sending.use_count() > 1; }
 
 std::string describe(const Piece& p) {
   return std::string(p.peer ? "peer " : "") + "snapshot of rank " + std::to_string(p.rank) + " (world " +
@@ -103,9 +109,16 @@ struct SnapshotKeeper::Impl {
 
   // ---- the table ---------------------------------------------------------------------------
 
+  // Dropped pieces that a remote get still sends: their ranks must not write them yet.
+  std::list<Piece> leaving;
+
   void drop(std::list<Piece>::iterator it) {
     held -= it->bytes;
-    pieces.erase(it);
+    if (beingSent(*it)) {
+      leaving.splice(leaving.end(), pieces, it);
+    } else {
+      pieces.erase(it);
+    }
   }
 
   // Takes a piece in, or says why not.
@@ -211,11 +224,15 @@ struct SnapshotKeeper::Impl {
       } catch (const std::exception& e) {
         return json{{"ok", false}, {"error", e.what()}}.dump();
       }
-      // The steps of this rank still held: the worker may write into the memory of any other.
+      // The steps of this rank still held (or still being sent): the worker may write into the
+      // memory of any other.
       std::scoped_lock lock(mutex);
+      leaving.remove_if([](const Piece& p) { return !beingSent(p); });
       json held = json::array();
-      for (const auto& p : pieces) {
-        if (p.rank == rank && !p.peer) held.push_back(p.step);
+      for (const auto* list : {&pieces, &leaving}) {
+        for (const auto& p : *list) {
+          if (p.rank == rank && !p.peer) held.push_back(p.step);
+        }
       }
       return json{{"ok", true}, {"held", held}}.dump();
     }
@@ -261,7 +278,9 @@ struct SnapshotKeeper::Impl {
         if (oldest == pieces.end() || it->step < oldest->step) oldest = it;
       }
       const auto before = std::min(integer("before"), newestStep);
-      if (count < kKeepLocal || oldest->step >= before) return json{{"ok", false}, {"error", "none to spare"}}.dump();
+      if (count < kKeepLocal || oldest->step >= before || beingSent(*oldest)) {
+        return json{{"ok", false}, {"error", "none to spare"}}.dump();
+      }
       Fd fd = std::move(oldest->fd);
       const json answer{{"ok", true}, {"step", oldest->step}};
       log::debug("snapshot keeper: the {} goes back to its rank for reuse", describe(*oldest));
@@ -288,6 +307,7 @@ struct SnapshotKeeper::Impl {
       throw ProtocolError("a get from outside this job (run id or MAC)");
     }
     Fd piece;
+    std::shared_ptr<const bool> sending;  // held until the bytes are sent
     std::uint64_t bytes = 0;
     {
       std::scoped_lock lock(mutex);
@@ -297,6 +317,7 @@ struct SnapshotKeeper::Impl {
           // A descriptor of its own: the piece may be dropped while it is being sent.
           piece = Fd(::fcntl(p.fd.get(), F_DUPFD_CLOEXEC, 0));
           if (!piece) throwErrno("duplicating a snapshot descriptor", errno);
+          sending = p.sending;
           bytes = p.bytes;
         }
       }

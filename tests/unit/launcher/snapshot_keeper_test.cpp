@@ -298,6 +298,43 @@ json getHeader(const std::string& run, const std::string& token, int rank, int w
           {"mac", fsdp::snapshot::getMac(token, run, rank, world, step)}};
 }
 
+// A piece that a remote get is sending (its reader slow: nothing read yet) is not taken back,
+// and once a put drops it, the put's answer still names it held, until the send has ended.
+TEST(SnapshotKeeper, APieceBeingSentIsNeitherTakenBackNorNamedFreeUntilItsSendEnds) {
+  SnapshotKeeper keeper(options());
+  Client c(keeper);
+  constexpr std::uint64_t kBig = 64u << 20;  // far more than a loopback socket buffers
+  ASSERT_TRUE(c.put(makePiece(1, 2, 4, kBig))["ok"].get<bool>());
+  for (int step = 5; step <= 6; ++step) ASSERT_TRUE(c.put(makePiece(1, 2, step))["ok"].get<bool>());
+  Fd stream = connectTcp(keeper);
+  fsdp::snapshot::writeFrame(stream.get(), getHeader("keeper-test", "secret", 1, 2, 4).dump());
+  const auto text = fsdp::snapshot::readFrame(stream.get(), "the keeper");
+  ASSERT_TRUE(text.has_value());
+  const json reply = json::parse(*text);
+  ASSERT_TRUE(reply.value("ok", false)) << reply;  // the send has begun, and waits on this reader
+  const json recycle{{"op", "recycle"}, {"rank", 1}, {"world", 2}, {"before", 6}};
+  EXPECT_FALSE(c.ask(recycle)["ok"].get<bool>()) << "the piece being sent was handed back for writing";
+  const auto held = [](const json& answer) {
+    auto steps = answer.at("held").get<std::vector<std::int64_t>>();
+    std::sort(steps.begin(), steps.end());
+    return steps;
+  };
+  // Step 7 drops step 4 from the table, but its memory is still being sent.
+  EXPECT_EQ(held(c.put(makePiece(1, 2, 7))), (std::vector<std::int64_t>{4, 5, 6, 7}));
+  using T = std::tuple<int, int, std::int64_t, bool>;
+  EXPECT_EQ(c.list(), (std::vector<T>{{1, 2, 5, false}, {1, 2, 6, false}, {1, 2, 7, false}}));
+  std::string body(reply.at("bytes").get<std::size_t>(), '\0');
+  ASSERT_TRUE(fsdp::snapshot::readAll(stream.get(), body.data(), body.size()));
+  // The stream's next answer comes after the first get has returned: the send is over.
+  const auto unknown = remoteGet(stream.get(), getHeader("keeper-test", "secret", 1, 2, 99));
+  ASSERT_TRUE(unknown.has_value());
+  EXPECT_EQ(held(c.put(makePiece(1, 2, 8))), (std::vector<std::int64_t>{6, 7, 8}));
+  Fd piece;
+  const json back = c.ask({{"op", "recycle"}, {"rank", 1}, {"world", 2}, {"before", 8}}, -1, &piece);
+  EXPECT_TRUE(back.value("ok", false)) << back;
+  EXPECT_EQ(back.value("step", -1), 6);
+}
+
 TEST(SnapshotKeeper, ARemoteGetOfTheJobGetsThePieceByteForByteAndAStrangersClosesOnlyItsStream) {
   SnapshotKeeper keeper(options());
   Client c(keeper);
