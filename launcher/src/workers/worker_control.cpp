@@ -89,7 +89,7 @@ void WorkerGroup::notifyAbort(const std::set<int>& localRanks, const std::string
 
 void WorkerGroup::clearSlot(std::size_t index) {
   Worker& w = workers_[index];
-  if (w.process && !w.reported && w.exitTold && !w.deviceMemory) {
+  if (w.process && !w.reported && w.freesItselfUnreaped()) {
     // Dying, and what it holds the kernel frees without anyone waiting: reap() reaps it.
     dying_.push_back(std::move(*w.process));
     w.process.reset();

@@ -211,11 +211,10 @@ WorkerGroup::~WorkerGroup() {
     }
     w.lifeline.reset();
   }
-  for (auto& p : dying_) {
-    const pid_t pid = p.pid();
-    { const ChildProcess last = std::move(p); }  // waits for its end
-    guardian_.forget(pid);
-  }
+  std::vector<pid_t> dead;
+  for (const auto& p : dying_) dead.push_back(p.pid());
+  dying_.clear();  // each waits for its process's end
+  for (const pid_t pid : dead) guardian_.forget(pid);
   for (const int fd : lifelineNews_) ::close(fd);
 }
 
@@ -402,7 +401,7 @@ void WorkerGroup::signalAll(int sig, const std::set<int>& spare) {
 std::size_t WorkerGroup::running(const std::set<int>& besides) const {
   std::size_t n = 0;
   for (const auto& w : workers_) {
-    const bool gone = w.reported || (w.exitTold && !w.deviceMemory);
+    const bool gone = w.reported || w.freesItselfUnreaped();
     n += w.process && !gone && !besides.contains(w.spec.localRank) ? 1 : 0;
   }
   return n;

@@ -149,6 +149,8 @@ class WorkerGroup {
     int control = -1;              // the control channel (agent's end), -1: none
     bool ready = false;            // it said it survives a failure elsewhere in process
     bool deviceMemory = true;      // it may hold GPU memory (unless its program said not)
+    // Exiting, and all it holds the kernel frees without anyone waiting for its reap.
+    bool freesItselfUnreaped() const { return exitTold && !deviceMemory; }
     std::unique_ptr<LifelineWatch> lifeline;
     std::shared_ptr<flight::RingMemory> flight;
     std::shared_ptr<PyStackFile> pystacks;

@@ -194,13 +194,13 @@ struct Snapshotter::Impl {
       }
     }
     auto b = std::make_shared<Buffer>();
-    b->bytes = bytes;
     b->fd = snapshot::createMemfd("fsdprun-snapshot-r" + std::to_string(runtime.rank()) + "-s" + std::to_string(step),
                                   bytes);
     snapshot::sealPiece(b->fd.get(), /*writes=*/false);
     void* map = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, b->fd.get(), 0);
     if (map == MAP_FAILED) throwErrno("mapping a snapshot of " + std::to_string(bytes) + " bytes", errno);
     b->map = static_cast<char*>(map);
+    b->bytes = bytes;
     buffers.push_back(b);
     return b;
   }
@@ -208,7 +208,7 @@ struct Snapshotter::Impl {
   // A process without snapshot memory yet (a replacement) that restored `step` takes back the
   // piece of its rank that the keeper drops at its next put anyway: its memory is what that next
   // snapshot needs (no new memory to fault in on the first step after a restore). Best effort.
-  void recycleOlder(std::int64_t step) {
+  void takeBackDroppedPiece(std::int64_t step) {
     if (!buffers.empty() || live) return;
     try {
       Fd fd;
@@ -531,7 +531,7 @@ std::optional<TrainingProgress> Snapshotter::restore(FullyShardedDataParallel& m
                         }};
   auto restored = restoreFromKeepers(link, model, optimizer);
   if (!restored) return std::nullopt;
-  d.recycleOlder(restored->progress.step);
+  d.takeBackDroppedPiece(restored->progress.step);
   d.restoredFrom = std::move(restored->source);
   return std::move(restored->progress);
 }
