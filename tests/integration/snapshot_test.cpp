@@ -190,19 +190,26 @@ TEST(SnapshotUsage, AMalformedMemoryLimitIsAUsageError) {
 // The public API without the Trainer: the restored state is the one the step ended with, with
 // the optimizer stepping through snapshots.step() (no copy; the state it leaves is frozen while
 // training goes on) and through optimizer.step() (the snapshot copies); and, in 3 ranks, with a
-// frozen unit (a LoRA-style base: no optimizer state) beside a trainable one.
+// frozen unit (a LoRA-style base: no optimizer state) beside a trainable one. The new processes'
+// state lies in the pieces their restore mapped (no copy); where rank 1 is killed again after
+// its first step, that step (in place, with optimizer.step()) has left the restored piece as it
+// was: the third attempt restores it again, bit for bit.
 TEST(SnapshotApi, ARestartRestoresTheStateOfTheNewestCommonStep) {
-  for (const auto& [copy, frozenUnit] : {std::pair{false, false}, std::pair{true, false}, std::pair{false, true},
-                                         std::pair{true, true}}) {
+  struct Variant {
+    bool copy, frozenUnit, killAgain;
+  };
+  for (const auto& [copy, frozenUnit, killAgain] :
+       {Variant{false, false, false}, Variant{true, false, true}, Variant{false, true, true}, Variant{true, true, false}}) {
     SCOPED_TRACE(std::string(copy ? "optimizer.step() and a copy" : "snapshots.step()") +
-                 (frozenUnit ? ", a frozen unit, 3 ranks" : ""));
+                 (frozenUnit ? ", a frozen unit, 3 ranks" : "") + (killAgain ? ", rank 1 killed again" : ""));
     TempDir dir;
     const std::string runId = uniqueRunId("api");
     const std::string tag = "FSDP_SNAPSHOT_TAG=" + runId;
     std::vector<std::string> argv = {kBin + "/fsdprun", "--nproc_per_node", frozenUnit ? "3" : "2", "--max_restarts",
-                                     "1", "--rdzv_id", runId, kBin + "/snapshot_worker", dir.path(), "12", "7"};
+                                     killAgain ? "2" : "1", "--rdzv_id", runId, kBin + "/snapshot_worker", dir.path(), "12", "7"};
     if (copy) argv.push_back("--copy");
     if (frozenUnit) argv.push_back("--frozen_unit");
+    if (killAgain) argv.push_back("--kill_again");
     const auto r = runCommand(argv, 120s, {tag, "TMPDIR=" + dir.path()});
     ASSERT_EQ(r.exitCode, 0) << r.err;
     const auto summary = summaryOf(r.out);
@@ -212,6 +219,10 @@ TEST(SnapshotApi, ARestartRestoresTheStateOfTheNewestCommonStep) {
     EXPECT_LE(summary["restored"].get<int>(), 7);
     EXPECT_TRUE(summary.value("matches", false)) << "the restored shards or optimizer state differ from step "
                                                  << summary["restored"];
+    EXPECT_TRUE(summary.value("restored_in_place", false)) << "the restore copied the state: " << r.out;
+    if (killAgain) {
+      EXPECT_EQ(fsdp::testing::countOccurrences(r.err, "asked to restart"), 2) << r.err;
+    }
     EXPECT_EQ(summary.value("steps", 0), 12);
     if (copy) {
       EXPECT_TRUE(summary["frozen_held"].is_null()) << r.out;

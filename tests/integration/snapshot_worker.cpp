@@ -11,6 +11,10 @@
 // through snapshots.step() (no copy), or with --copy through optimizer.step() after wait() (the
 // snapshot copies). Without --copy, after step 3 the state must be frozen(): views of it kept to
 // the end still hold step 3's values ("frozen_held" in the JSON line; null with --copy).
+// "restored_in_place": frozen() right after the restore (the state lies in the piece the restore
+// mapped, not copied). --kill_again: the second attempt's rank 1 SIGKILLs itself right after its
+// first optimizer step, before that step's snapshot: the third attempt restores the step the
+// second one did, which that step (in place with --copy) must have left unchanged.
 #include <ATen/Functions.h>
 #include <signal.h>
 #include <torch/nn/modules/activation.h>
@@ -39,8 +43,9 @@ int main(int argc, char** argv) {
   const std::string out = argv[1];
   const int steps = std::stoi(argv[2]);
   const int killStep = std::stoi(argv[3]);
-  bool otherModel = false, copy = false, frozenUnit = false;
+  bool otherModel = false, copy = false, frozenUnit = false, killAgain = false;
   for (int i = 4; i < argc; ++i) {
+    killAgain = killAgain || std::string(argv[i]) == "--kill_again";
     otherModel = otherModel || std::string(argv[i]) == "--other_model";
     copy = copy || std::string(argv[i]) == "--copy";
     frozenUnit = frozenUnit || std::string(argv[i]) == "--frozen_unit";
@@ -62,7 +67,9 @@ int main(int argc, char** argv) {
   std::int64_t step = 0;
   std::optional<std::int64_t> restored;
   bool matches = true;
+  bool restoredInPlace = false;
   if (auto progress = snapshots.restore(model, &optimizer)) {
+    restoredInPlace = snapshots.frozen(model, optimizer);
     step = progress->step;
     restored = step;
     std::ifstream in(out + "/hash_" + std::to_string(rt->rank()) + "_" + std::to_string(step));
@@ -85,6 +92,9 @@ int main(int argc, char** argv) {
       snapshots.step(model, optimizer);
     }
     ++step;
+    if (killAgain && rt->env().restartCount == 1 && rt->rank() == 1 && restored && step == *restored + 1) {
+      ::kill(::getpid(), SIGKILL);
+    }
     // The state's hash goes to disk before its snapshot can exist, whole (renamed into place): the
     // agent stops this rank as soon as a peer dies, maybe in the middle of this step.
     const std::string hashFile = out + "/hash_" + std::to_string(rt->rank()) + "_" + std::to_string(step);
@@ -116,8 +126,9 @@ int main(int argc, char** argv) {
   bool frozenHeld = frozenAtCheck && !held.empty();
   for (std::size_t i = 0; i < held.size(); ++i) frozenHeld = frozenHeld && at::equal(held[i], values[i]);
   if (rt->rank() == 0) {
-    std::printf("{\"restored\": %s, \"matches\": %s, \"steps\": %lld, \"frozen_held\": %s}\n",
+    std::printf("{\"restored\": %s, \"matches\": %s, \"restored_in_place\": %s, \"steps\": %lld, \"frozen_held\": %s}\n",
                 restored ? std::to_string(*restored).c_str() : "null", matches ? "true" : "false",
+                restoredInPlace ? "true" : "false",
                 static_cast<long long>(step), copy ? (frozenAtCheck ? "\"frozen under --copy\"" : "null")
                                                    : frozenHeld ? "true" : "false");
   }

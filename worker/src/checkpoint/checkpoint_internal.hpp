@@ -173,6 +173,16 @@ class Reader {
   // Reads file `index` from `file` instead of the checkpoint directory.
   void adopt(int index, std::unique_ptr<File> file) { files_[index] = std::move(file); }
 
+  // File `index` is also mapped at `base` (`bytes` long; the pointer keeps the mapping): its
+  // blocks may be viewed in place (view()) instead of read.
+  void mapped(int index, std::shared_ptr<char> base, std::uint64_t bytes) { maps_[index] = {std::move(base), bytes}; }
+
+  // Block `b` of file `index` as `like`'s shape and dtype, in place, without a copy: the block
+  // must hold `like`'s first elements and the rest of `like`'s bytes (a shard's padding) must
+  // lie in no other block. Undefined where that does not hold, the file is not mapped, or the
+  // manifest wants CRCs checked (a view is not).
+  at::Tensor view(int index, const Block& b, const at::Tensor& like) const;
+
   const File& file(int index) {
     auto& slot = files_[index];
     if (!slot) {
@@ -246,8 +256,13 @@ class Reader {
   }
 
  private:
+  struct Mapping {
+    std::shared_ptr<char> base;
+    std::uint64_t bytes = 0;
+  };
   const Manifest& m_;
   std::map<int, std::unique_ptr<File>> files_;
+  std::map<int, Mapping> maps_;
 };
 
 // The module buffers saved (by rank 0, or by every rank in a snapshot), by name.
@@ -288,7 +303,9 @@ void refreshMeta(json& meta, const ShardLayout& layout, torch::optim::Optimizer*
 // when any rank could not, or came with a `failure` of its own. (load.cpp)
 // `keepOwnState`: this rank's shards and optimizer state already hold the manifest's step (a
 // survivor of a re-formation whose state lies in that snapshot's memory): they are neither read
-// nor written; the rest (buffers, RNG, learning rates) is.
+// nor written; the rest (buffers, RNG, learning rates) is. Where `reader` maps this rank's own
+// file of the same world and layout, its shards and optimizer state become views of it (set_():
+// no copy), block by block where Reader::view allows.
 TrainingProgress loadManifest(Runtime& runtime, const Manifest& m, Reader& reader, FullyShardedDataParallel& model,
                               torch::optim::Optimizer* optimizer, const std::string& errorKey,
                               std::string failure = "", bool keepOwnState = false);

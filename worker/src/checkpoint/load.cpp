@@ -143,6 +143,7 @@ TrainingProgress loadManifest(Runtime& runtime, const Manifest& m, Reader& reade
   const ShardLayout layout = model->shardLayout();
   std::string kind;
   std::vector<at::Tensor> shards;
+  std::vector<bool> viewed;  // per shard: a view of the mapped file, to be taken as it is
   std::vector<std::optional<OptimizerState>> states;
   std::map<std::string, at::Tensor> buffers;
   std::optional<at::Tensor> rng;
@@ -178,17 +179,45 @@ TrainingProgress loadManifest(Runtime& runtime, const Manifest& m, Reader& reade
       }
       return false;
     };
-    for (const auto& flat : layout.flats) {
+    // This rank's own file at this very layout, mapped (a snapshot's piece): its shards and
+    // optimizer state are used where they lie, not read (Reader::view says where it cannot).
+    const int rank = runtime.rank();
+    const bool ownFile = m.meta.at("world_size").get<int>() == runtime.worldSize() && rank < m.files;
+    const auto inPlace = [&](std::size_t f, const FlatParamInfo& flat, const std::string& what) {
+      if (!ownFile || f >= m.flatNumel.size() || m.flatNumel[f] != flat.numel) return at::Tensor();
+      for (const auto& p : flat.params) {
+        const auto& saved = m.params.at(p.name);
+        if (saved.flat != static_cast<int>(f) || saved.offset != p.offset) return at::Tensor();
+      }
+      const std::int64_t valid = std::max<std::int64_t>(0, std::min(flat.shardNumel, flat.numel - flat.shardOffset));
+      for (const auto& b : m.blocks[static_cast<std::size_t>(rank)]) {
+        if (b.flat == static_cast<int>(f) && b.what == what && b.start == flat.shardOffset && b.count == valid) {
+          return reader.view(rank, b, flat.shard);
+        }
+      }
+      return at::Tensor();
+    };
+    for (std::size_t f = 0; f < layout.flats.size(); ++f) {
       if (keepOwnState) break;  // this rank's own state holds the step already
-      auto values = at::zeros_like(flat.shard.detach(), at::TensorOptions().device(at::kCPU));
-      fillShard(reader, m, flat, "param", values);
+      const auto& flat = layout.flats[f];
+      // The shard takes the view's memory by set_(): only where nothing else refers to its own
+      // (one rank: the module's parameters are views of it).
+      auto values = flat.shard.storage().use_count() == 1 ? inPlace(f, flat, "param") : at::Tensor();
+      viewed.push_back(values.defined());
+      if (!viewed.back()) {
+        values = at::zeros_like(flat.shard.detach(), at::TensorOptions().device(at::kCPU));
+        fillShard(reader, m, flat, "param", values);
+      }
       shards.push_back(values);
       OptimizerState st;
       const int oldFlat = flat.params.empty() ? -1 : m.params.at(flat.params.front().name).flat;
       for (const auto& name : stateNames) {
         if (oldFlat >= 0 && !saved(oldFlat, "optim/" + name)) continue;
-        auto t = at::zeros_like(values);
-        fillShard(reader, m, flat, "optim/" + name, t);
+        auto t = inPlace(f, flat, "optim/" + name);
+        if (!t.defined()) {
+          t = at::zeros_like(flat.shard.detach(), at::TensorOptions().device(at::kCPU));
+          fillShard(reader, m, flat, "optim/" + name, t);
+        }
         st.tensors[name] = t.to(flat.shard.device());
       }
       // Scalars (Adam's step) from the old flat parameter that held this one's first parameter.
@@ -202,7 +231,7 @@ TrainingProgress loadManifest(Runtime& runtime, const Manifest& m, Reader& reade
       }
     }
     buffers = readBuffers(reader, m);
-    if (m.meta.at("world_size").get<int>() == runtime.worldSize() && runtime.rank() < m.files) {
+    if (ownFile) {
       for (const auto& b : m.blocks[static_cast<std::size_t>(runtime.rank())]) {
         if (b.what != "rng/cpu") continue;
         rng = reader.blockTensor(runtime.rank(), b, {static_cast<std::int64_t>(b.bytes)}, at::kByte);
@@ -226,7 +255,11 @@ TrainingProgress loadManifest(Runtime& runtime, const Manifest& m, Reader& reade
 
   // All read and checked: now change the model, the optimizer, the RNG.
   for (std::size_t f = 0; f < shards.size(); ++f) {
-    layout.flats[f].shard.detach().copy_(shards[f]);
+    if (viewed[f]) {
+      layout.flats[f].shard.set_(shards[f]);  // every holder (the optimizer, FSDP) sees it
+    } else {
+      layout.flats[f].shard.detach().copy_(shards[f]);
+    }
     if (optimizer != nullptr && states[f]) writeState(*optimizer, kind, layout.flats[f].shard, *states[f]);
   }
   for (const auto& item : model->module()->named_buffers()) {

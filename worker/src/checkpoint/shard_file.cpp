@@ -18,6 +18,24 @@ std::map<std::string, at::Tensor> readBuffers(Reader& reader, const Manifest& m)
   return buffers;
 }
 
+at::Tensor Reader::view(int index, const Block& b, const at::Tensor& like) const {
+  const auto it = maps_.find(index);
+  const std::uint64_t bytes = static_cast<std::uint64_t>(like.numel()) * like.element_size();
+  if (it == maps_.end() || m_.checkCrc || !like.device().is_cpu() || b.dtype != dtypeName(like.scalar_type()) ||
+      b.bytes > bytes || b.offset % like.element_size() != 0 || b.offset + bytes > it->second.bytes) {
+    return {};
+  }
+  // The padding after the block: in no other block (a snapshot laid out by step() gives each
+  // shard its whole size; one written by copying packs the blocks).
+  for (const auto& other : m_.blocks[static_cast<std::size_t>(index)]) {
+    if ((other.flat == b.flat && other.what == b.what && other.offset == b.offset) || other.bytes == 0) continue;
+    if (other.offset < b.offset + bytes && b.offset < other.offset + other.bytes) return {};
+  }
+  std::shared_ptr<char> keep = it->second.base;  // the mapping stays while the view lives
+  return at::from_blob(keep.get() + b.offset, like.sizes(), [keep](void*) mutable { keep.reset(); },
+                       like.options().requires_grad(false));
+}
+
 void addBlock(RankPlan& plan, Block b, at::Tensor data, bool copy) {
   // One copy at most: a device tensor's copy to the host is already the snapshot.
   data = data.to(at::kCPU, data.scalar_type(), /*non_blocking=*/false, /*copy=*/copy).contiguous();

@@ -89,6 +89,10 @@ class Snapshotter {
   // when it holds it, else fetches it over TCP from an agent that does. nullopt, with one line
   // on rank 0 saying why, when there is none (a node lost with the node holding its peer copies),
   // a fetch failed or it does not fit the model; nothing is changed then, on any rank.
+  // At the same world size a rank's CPU shards and optimizer state are not copied: they become
+  // views of its piece, mapped copy-on-write (frozen() is true after it). A write in place
+  // afterwards (an optimizer.step() outside step()) changes this process's pages only, never
+  // the piece the agent holds.
   std::optional<TrainingProgress> restore(FullyShardedDataParallel& model, torch::optim::Optimizer* optimizer);
   // After a restore: "memory" (every rank's own piece, from its own node's agent) or "peer copy"
   // (some piece came from a copy: a lost node's, or one fetched from another node).

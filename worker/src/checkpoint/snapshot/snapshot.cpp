@@ -40,6 +40,11 @@ struct Buffer {
   // start of the data; 0: a layout write() made.
   std::uint64_t headerReserve = 0;
   std::uint64_t smallBytes = 0;
+  // A piece a restore mapped copy-on-write for the state to lie in (mapPiece): never written as
+  // a snapshot (its writes stay in this process); and the state's version counters then, which
+  // an in-place change (an optimizer.step() outside step()) moves.
+  bool adopted = false;
+  std::vector<std::int64_t> versions;
   Buffer() = default;
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
@@ -110,6 +115,7 @@ struct Snapshotter::Impl {
   // the keeper no longer holds it and nothing else refers to it (use_count() == 1).
   std::list<std::shared_ptr<Buffer>> buffers;
   std::shared_ptr<Buffer> live;  // where step() put the shards and the optimizer state
+  std::shared_ptr<Buffer> mapped;  // during a restore: the piece mapPiece() mapped
   // Writes and hands over one snapshot at a time. Last: it stops before what its jobs use goes.
   JobThread worker;
 
@@ -159,8 +165,7 @@ struct Snapshotter::Impl {
     } catch (const ConfigError&) {
       return false;
     }
-    const bool all = forEachStateTensor(model, *optimizer, kind,
-                                        [&](const at::Tensor&, const std::string&, at::Tensor& t) { return inside(live, t); });
+    const bool all = liesInLive(model, *optimizer, kind);
     if (all && live->step == step && live->world == world && world == runtime.worldSize() &&
         live->rank == runtime.rank()) {
       return true;
@@ -172,6 +177,55 @@ struct Snapshotter::Impl {
     });
     live.reset();
     return false;
+  }
+
+  // Whether every shard and optimizer state tensor lies in `live`, unchanged since a restore put
+  // it there when `live` is a mapped piece.
+  bool liesInLive(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer, const std::string& kind) const {
+    std::size_t i = 0;
+    return forEachStateTensor(model, optimizer, kind, [&](const at::Tensor&, const std::string&, at::Tensor& t) {
+      if (!inside(live, t)) return false;
+      return !live->adopted || (i < live->versions.size() && live->versions[i++] == t._version());
+    });
+  }
+
+  // A restore's own piece mapped copy-on-write: the state restored into it is not copied, and
+  // what writes it in place later (an optimizer.step() outside step()) changes this process's
+  // pages, never the keeper's piece. Null when it cannot be mapped (the restore copies then).
+  std::shared_ptr<char> mapPiece(int fd, std::uint64_t bytes, std::int64_t step, int world) {
+    void* map = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+    if (map == MAP_FAILED) return nullptr;
+    auto b = std::make_shared<Buffer>();
+    b->map = static_cast<char*>(map);
+    b->bytes = bytes;
+    b->step = step;
+    b->rank = runtime.rank();
+    b->world = world;
+    b->adopted = true;
+    mapped = b;
+    return {b, b->map};
+  }
+
+  // After a restore: the mapped piece is `live` when every state tensor lies in it (as a
+  // survivor's lies in its last snapshot), with their versions now.
+  void keepMapped(FullyShardedDataParallel& model, torch::optim::Optimizer* optimizer) {
+    const auto b = std::move(mapped);
+    if (!b || optimizer == nullptr) return;
+    std::string kind;
+    try {
+      kind = optimizerKind(*optimizer);
+    } catch (const ConfigError&) {
+      return;
+    }
+    std::vector<std::int64_t> versions;
+    const bool all = forEachStateTensor(model, *optimizer, kind, [&](const at::Tensor&, const std::string&, at::Tensor& t) {
+      versions.push_back(t._version());
+      return inside(b, t);
+    });
+    if (!all) return;  // the views the restore took keep the mapping themselves
+    b->versions = std::move(versions);
+    buffers.push_back(b);
+    live = b;
   }
 
   json ask(const json& request, int fd = -1, Fd* passed = nullptr) {
@@ -187,10 +241,10 @@ struct Snapshotter::Impl {
     for (auto it = buffers.begin(); it != buffers.end();) {
       if ((*it)->step >= 0 || it->use_count() > 1) {
         ++it;
-      } else if ((*it)->bytes == bytes) {
+      } else if ((*it)->bytes == bytes && !(*it)->adopted) {
         return *it;
       } else {
-        it = buffers.erase(it);  // another layout: its size will not come back
+        it = buffers.erase(it);  // another layout (its size will not come back), or a mapped piece
       }
     }
     auto b = std::make_shared<Buffer>();
@@ -209,7 +263,7 @@ struct Snapshotter::Impl {
   // piece of its rank that the keeper drops at its next put anyway: its memory is what that next
   // snapshot needs (no new memory to fault in on the first step after a restore). Best effort.
   void takeBackDroppedPiece(std::int64_t step) {
-    if (!buffers.empty() || live) return;
+    if (std::any_of(buffers.begin(), buffers.end(), [](const auto& b) { return !b->adopted; })) return;
     try {
       Fd fd;
       const json answer = ask({{"op", "recycle"}, {"rank", runtime.rank()}, {"world", runtime.worldSize()},
@@ -221,7 +275,10 @@ struct Snapshotter::Impl {
       if (map == MAP_FAILED) return;  // sealed against writes: not reusable
       b->fd = std::move(fd);
       b->map = static_cast<char*>(map);
-      buffers.push_back(std::move(b));
+      buffers.push_back(b);
+      // Its pages made writable while the first step's forward and backward run (the step writes
+      // all of them; one call is cheaper than a fault per page). step() waits for this.
+      worker.run([b] { ::madvise(b->map, b->bytes, MADV_POPULATE_WRITE); });
     } catch (const std::exception& e) {
       log::debug("rank {}: no snapshot memory taken back from the keeper: {}", runtime.rank(), e.what());
     }
@@ -477,8 +534,7 @@ bool Snapshotter::frozen(FullyShardedDataParallel& model, torch::optim::Optimize
   } catch (const ConfigError&) {
     return false;
   }
-  return forEachStateTensor(model, optimizer, kind,
-                            [&](const at::Tensor&, const std::string&, at::Tensor& t) { return inside(d.live, t); });
+  return d.liesInLive(model, optimizer, kind);
 }
 
 void Snapshotter::save(FullyShardedDataParallel& model, torch::optim::Optimizer* optimizer,
@@ -528,8 +584,12 @@ std::optional<TrainingProgress> Snapshotter::restore(FullyShardedDataParallel& m
                         .call = d.restoreCalls++,
                         .ownStateHolds = [&d, &model, optimizer](std::int64_t step, int world) {
                           return d.ownStateHolds(model, optimizer, step, world);
+                        },
+                        .mapOwnPiece = [&d](int fd, std::uint64_t bytes, std::int64_t step, int world) {
+                          return d.mapPiece(fd, bytes, step, world);
                         }};
   auto restored = restoreFromKeepers(link, model, optimizer);
+  d.keepMapped(model, optimizer);
   if (!restored) return std::nullopt;
   d.takeBackDroppedPiece(restored->progress.step);
   d.restoredFrom = std::move(restored->source);

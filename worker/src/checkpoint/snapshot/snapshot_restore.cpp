@@ -220,6 +220,8 @@ std::optional<Restored> restoreFromKeepers(const KeeperLink& link, FullyShardedD
   Manifest m;
   m.path = label;
   std::vector<std::pair<int, Fd>> pieces;
+  std::shared_ptr<char> ownMap;  // this rank's piece, mapped: its state is restored in place
+  std::uint64_t ownBytes = 0;
   bool fromPeer = false;
   try {
     json files = json::array();
@@ -251,7 +253,12 @@ std::optional<Restored> restoreFromKeepers(const KeeperLink& link, FullyShardedD
         b["offset"] = b.at("offset").get<std::uint64_t>() + dataOffset;
         blocks.push_back(std::move(b));
       }
-      files.push_back({{"rank", q}, {"bytes", snapshot::fileBytes(fd.get())}, {"blocks", blocks}});
+      const std::uint64_t bytes = snapshot::fileBytes(fd.get());
+      if (sameWorld && !keepOwn && link.mapOwnPiece) {
+        ownMap = link.mapOwnPiece(fd.get(), bytes, step, oldWorld);
+        ownBytes = bytes;
+      }
+      files.push_back({{"rank", q}, {"bytes", bytes}, {"blocks", blocks}});
       if (meta.is_null()) meta = header.at("meta");
       pieces.emplace_back(q, std::move(fd));
     }
@@ -262,6 +269,7 @@ std::optional<Restored> restoreFromKeepers(const KeeperLink& link, FullyShardedD
     failure = e.what();
   }
   Reader reader(m);
+  if (ownMap) reader.mapped(rank, std::move(ownMap), ownBytes);
   for (auto& [q, fd] : pieces) {
     reader.adopt(q, std::make_unique<File>(fd.release(), label + " of rank " + std::to_string(q)));
   }

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -74,6 +75,9 @@ struct KeeperLink {
   // Once the step is chosen: whether this rank's shards and optimizer state hold it already (a
   // survivor of a re-formation whose state lies in that snapshot's memory: nothing to copy).
   std::function<bool(std::int64_t step, int world)> ownStateHolds;
+  // This rank's piece of `step` in this world (its fd, `bytes` long) mapped for the state to be
+  // restored in place (a new process: no copy); null where it cannot be.
+  std::function<std::shared_ptr<char>(int fd, std::uint64_t bytes, std::int64_t step, int world)> mapOwnPiece;
 };
 
 struct Restored {
