@@ -226,6 +226,7 @@ struct Snapshotter::Impl {
     b->versions = std::move(versions);
     buffers.push_back(b);
     live = b;
+    log::debug("rank {}: the state of step {} lies in its piece, mapped (not copied)", runtime.rank(), b->step);
   }
 
   json ask(const json& request, int fd = -1, Fd* passed = nullptr) {
