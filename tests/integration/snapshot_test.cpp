@@ -191,15 +191,15 @@ TEST(SnapshotUsage, AMalformedMemoryLimitIsAUsageError) {
 // the optimizer stepping through snapshots.step() (no copy; the state it leaves is frozen while
 // training goes on) and through optimizer.step() (the snapshot copies); and, in 3 ranks, with a
 // frozen unit (a LoRA-style base: no optimizer state) beside a trainable one. The new processes'
-// state lies in the pieces their restore mapped (no copy); where rank 1 is killed again after
-// its first step, that step (in place, with optimizer.step()) has left the restored piece as it
-// was: the third attempt restores it again, bit for bit.
+// state lies in the pieces their restore mapped (no copy); with optimizer.step(), rank 1 is
+// killed again after its first step: that step, in place, must have left the restored piece as
+// it was (the third attempt restores it again, bit for bit).
 TEST(SnapshotApi, ARestartRestoresTheStateOfTheNewestCommonStep) {
   struct Variant {
     bool copy, frozenUnit, killAgain;
   };
   for (const auto& [copy, frozenUnit, killAgain] :
-       {Variant{false, false, false}, Variant{true, false, true}, Variant{false, true, true}, Variant{true, true, false}}) {
+       {Variant{false, false, false}, Variant{true, false, true}, Variant{false, true, false}, Variant{true, true, true}}) {
     SCOPED_TRACE(std::string(copy ? "optimizer.step() and a copy" : "snapshots.step()") +
                  (frozenUnit ? ", a frozen unit, 3 ranks" : "") + (killAgain ? ", rank 1 killed again" : ""));
     TempDir dir;
@@ -215,11 +215,17 @@ TEST(SnapshotApi, ARestartRestoresTheStateOfTheNewestCommonStep) {
     const auto summary = summaryOf(r.out);
     ASSERT_TRUE(summary.is_object()) << r.out << r.err;
     ASSERT_TRUE(summary["restored"].is_number()) << r.out << r.err;
-    EXPECT_GE(summary["restored"].get<int>(), 6);
+    // Rank 1 dies with its step 7 held; another rank may still be handing its step 6 to the
+    // agent then (its step 7's optimizer step waits for that, and these steps take a
+    // millisecond): 5 is seen once in a while under load.
+    EXPECT_GE(summary["restored"].get<int>(), 5) << r.err;
     EXPECT_LE(summary["restored"].get<int>(), 7);
     EXPECT_TRUE(summary.value("matches", false)) << "the restored shards or optimizer state differ from step "
                                                  << summary["restored"];
-    EXPECT_TRUE(summary.value("restored_in_place", false)) << "the restore copied the state: " << r.out;
+    // Pieces laid out by step() give each shard its whole size; ones written by copying pack the
+    // blocks, so a shard with padding (3 ranks: the second unit's 260 elements) is copied there.
+    const bool paddedAndPacked = copy && frozenUnit;
+    EXPECT_EQ(summary.value("restored_in_place", false), !paddedAndPacked) << "where the restore copied: " << r.out;
     if (killAgain) {
       EXPECT_EQ(fsdp::testing::countOccurrences(r.err, "asked to restart"), 2) << r.err;
     }

@@ -11,8 +11,8 @@
 // through snapshots.step() (no copy), or with --copy through optimizer.step() after wait() (the
 // snapshot copies). Without --copy, after step 3 the state must be frozen(): views of it kept to
 // the end still hold step 3's values ("frozen_held" in the JSON line; null with --copy).
-// "restored_in_place": frozen() right after the restore (the state lies in the piece the restore
-// mapped, not copied). --kill_again: the second attempt's rank 1 SIGKILLs itself right after its
+// "restored_in_place": frozen() right after the restore on every rank (the state lies in the
+// piece the restore mapped, not copied); "matches" too is every rank's. --kill_again: the second attempt's rank 1 SIGKILLs itself right after its
 // first optimizer step, before that step's snapshot: the third attempt restores the step the
 // second one did, which that step (in place with --copy) must have left unchanged.
 #include <ATen/Functions.h>
@@ -76,12 +76,19 @@ int main(int argc, char** argv) {
     std::string expected;
     std::getline(in, expected);
     matches = expected == fsdp::testing::adamStateHash(model, optimizer);
+    if (!matches) {
+      std::fprintf(stderr, "rank %d (restart %d): the restored state differs from step %lld's\n", rt->rank(),
+                   rt->env().restartCount, static_cast<long long>(step));
+    }
   }
-  torch::manual_seed(100 + rt->rank() + step);
   const std::int64_t checkStep = step + 2;  // this attempt's second step
   bool frozenAtCheck = false;
   std::vector<at::Tensor> held, values;  // at checkStep: the state's memory, and its values then
   for (; step < steps;) {
+    // Each step's input and dropout from the step alone: a step done again after a restart from
+    // further back is the same step, bit for bit (its hash file is written again; a piece of
+    // the first attempt's may still be what a later restore reads).
+    torch::manual_seed(100 + 1000 * rt->rank() + step);
     const auto x = at::randn({16, 32});
     optimizer.zero_grad();
     model->forward(x).pow(2).mean().backward();
@@ -122,6 +129,11 @@ int main(int argc, char** argv) {
     }
   }
   snapshots.wait();
+  // Every rank's answer, not rank 0's alone (rank 1 is the one killed again).
+  auto agreed = at::tensor({matches ? 1.0 : 0.0, restoredInPlace ? 1.0 : 0.0}, at::kDouble);
+  rt->cpuComm().allReduce(agreed, fsdp::ReduceOp::kMin).wait();
+  matches = agreed[0].item<double>() > 0;
+  restoredInPlace = agreed[1].item<double>() > 0;
   // What a checkpoint writer reading the frozen state of checkStep would still see now.
   bool frozenHeld = frozenAtCheck && !held.empty();
   for (std::size_t i = 0; i < held.size(); ++i) frozenHeld = frozenHeld && at::equal(held[i], values[i]);

@@ -20,6 +20,7 @@
 #include "fsdp/common/snapshot_wire.hpp"
 #include "fsdp/worker/runtime.hpp"
 #include "snapshot_fetch.hpp"
+#include "snapshot_memory.hpp"
 #include "snapshot_restore.hpp"
 
 namespace fsdp::worker {
@@ -27,58 +28,9 @@ namespace fsdp::worker {
 using namespace detail;
 using snapshot::Fd;
 
-// A piece's memory in this process: mapped once, written again once its keeper let it go and no
-// live tensor lies in it (step() puts the parameters and the optimizer state in one).
-struct Buffer {
-  Fd fd;
-  char* map = nullptr;
-  std::uint64_t bytes = 0;
-  std::int64_t step = -1;  // the snapshot it holds for the keeper; -1: none
-  int rank = -1;           // ... of this rank of this world (a re-formation may move the rank)
-  int world = 0;
-  // A layout made by step(): the header's reserved bytes and the small blocks' region at the
-  // start of the data; 0: a layout write() made.
-  std::uint64_t headerReserve = 0;
-  std::uint64_t smallBytes = 0;
-  // A piece a restore mapped copy-on-write for the state to lie in (mapPiece): never written as
-  // a snapshot (its writes stay in this process); and the state's version counters then, which
-  // an in-place change (an optimizer.step() outside step()) moves.
-  bool adopted = false;
-  std::vector<std::int64_t> versions;
-  Buffer() = default;
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-  ~Buffer() {
-    if (map != nullptr) ::munmap(map, bytes);
-  }
-};
-
 namespace {
 
 constexpr std::uint64_t alignUp(std::uint64_t n, std::uint64_t to) { return (n + to - 1) / to * to; }
-
-bool inside(const std::shared_ptr<Buffer>& b, const at::Tensor& t) {
-  const auto* p = static_cast<const char*>(t.data_ptr());
-  return b && p >= b->map && p < b->map + b->bytes;
-}
-
-// Calls fn(shard, what, tensor) for every flat parameter's shard ("param") and each of its
-// optimizer state tensors (by name), until fn returns false. The tensors are the live ones
-// (set_() on them moves the state).
-template <typename Fn>
-bool forEachStateTensor(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer, const std::string& kind,
-                        Fn&& fn) {
-  for (const auto& flat : model->shardLayout().flats) {
-    at::Tensor shard = flat.shard;
-    if (!fn(flat.shard, std::string("param"), shard)) return false;
-    if (auto state = readState(optimizer, kind, flat.shard)) {
-      for (auto& [name, t] : state->tensors) {
-        if (!fn(flat.shard, name, t)) return false;
-      }
-    }
-  }
-  return true;
-}
 
 // A piece's header: `base` (rank, world, step, round), the blocks and the rank's metadata,
 // written out without copying the metadata (a large table of parameters for a big model).
@@ -111,11 +63,7 @@ struct Snapshotter::Impl {
   bool peerFailed = false;
   std::string restoredFrom;
   int restoreCalls = 0;
-  // Used by the background thread only (and by wait()'s caller after). A buffer is free when
-  // the keeper no longer holds it and nothing else refers to it (use_count() == 1).
-  std::list<std::shared_ptr<Buffer>> buffers;
-  std::shared_ptr<Buffer> live;  // where step() put the shards and the optimizer state
-  std::shared_ptr<Buffer> mapped;  // during a restore: the piece mapPiece() mapped
+  SnapshotMemory memory;  // its buffers, the one the state lies in (snapshot_memory.hpp)
   // Writes and hands over one snapshot at a time. Last: it stops before what its jobs use goes.
   JobThread worker;
 
@@ -158,6 +106,7 @@ struct Snapshotter::Impl {
   // buffer, still what the keeper holds for that step). Else, whatever lies in snapshot memory
   // moves to memory of its own, uninitialised: a restore is about to write it.
   bool ownStateHolds(FullyShardedDataParallel& model, torch::optim::Optimizer* optimizer, std::int64_t step, int world) {
+    auto& live = memory.live;
     if (!live || optimizer == nullptr) return false;
     std::string kind;
     try {
@@ -165,7 +114,7 @@ struct Snapshotter::Impl {
     } catch (const ConfigError&) {
       return false;
     }
-    const bool all = liesInLive(model, *optimizer, kind);
+    const bool all = memory.liesInLive(model, *optimizer, kind);
     if (all && live->step == step && live->world == world && world == runtime.worldSize() &&
         live->rank == runtime.rank()) {
       return true;
@@ -179,54 +128,8 @@ struct Snapshotter::Impl {
     return false;
   }
 
-  // Whether every shard and optimizer state tensor lies in `live`, unchanged since a restore put
-  // it there when `live` is a mapped piece.
-  bool liesInLive(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer, const std::string& kind) const {
-    std::size_t i = 0;
-    return forEachStateTensor(model, optimizer, kind, [&](const at::Tensor&, const std::string&, at::Tensor& t) {
-      if (!inside(live, t)) return false;
-      return !live->adopted || (i < live->versions.size() && live->versions[i++] == t._version());
-    });
-  }
-
-  // A restore's own piece mapped copy-on-write: the state restored into it is not copied, and
-  // what writes it in place later (an optimizer.step() outside step()) changes this process's
-  // pages, never the keeper's piece. Null when it cannot be mapped (the restore copies then).
-  std::shared_ptr<char> mapPiece(int fd, std::uint64_t bytes, std::int64_t step, int world) {
-    void* map = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
-    if (map == MAP_FAILED) return nullptr;
-    auto b = std::make_shared<Buffer>();
-    b->map = static_cast<char*>(map);
-    b->bytes = bytes;
-    b->step = step;
-    b->rank = runtime.rank();
-    b->world = world;
-    b->adopted = true;
-    mapped = b;
-    return {b, b->map};
-  }
-
-  // After a restore: the mapped piece is `live` when every state tensor lies in it (as a
-  // survivor's lies in its last snapshot), with their versions now.
-  void keepMapped(FullyShardedDataParallel& model, torch::optim::Optimizer* optimizer) {
-    const auto b = std::move(mapped);
-    if (!b || optimizer == nullptr) return;
-    std::string kind;
-    try {
-      kind = optimizerKind(*optimizer);
-    } catch (const ConfigError&) {
-      return;
-    }
-    std::vector<std::int64_t> versions;
-    const bool all = forEachStateTensor(model, *optimizer, kind, [&](const at::Tensor&, const std::string&, at::Tensor& t) {
-      versions.push_back(t._version());
-      return inside(b, t);
-    });
-    if (!all) return;  // the views the restore took keep the mapping themselves
-    b->versions = std::move(versions);
-    buffers.push_back(b);
-    live = b;
-    log::debug("rank {}: the state of step {} lies in its piece, mapped (not copied)", runtime.rank(), b->step);
+  std::string pieceName(std::int64_t step) const {
+    return "fsdprun-snapshot-r" + std::to_string(runtime.rank()) + "-s" + std::to_string(step);
   }
 
   json ask(const json& request, int fd = -1, Fd* passed = nullptr) {
@@ -237,49 +140,28 @@ struct Snapshotter::Impl {
     return json::parse(answer->first);
   }
 
-  // A free buffer of `bytes`, or a new one (mapped and faulted in once, its size sealed).
-  std::shared_ptr<Buffer> bufferFor(std::uint64_t bytes, std::int64_t step) {
-    for (auto it = buffers.begin(); it != buffers.end();) {
-      if ((*it)->step >= 0 || it->use_count() > 1) {
-        ++it;
-      } else if ((*it)->bytes == bytes && !(*it)->adopted) {
-        return *it;
-      } else {
-        it = buffers.erase(it);  // another layout (its size will not come back), or a mapped piece
-      }
-    }
-    auto b = std::make_shared<Buffer>();
-    b->fd = snapshot::createMemfd("fsdprun-snapshot-r" + std::to_string(runtime.rank()) + "-s" + std::to_string(step),
-                                  bytes);
-    snapshot::sealPiece(b->fd.get(), /*writes=*/false);
-    void* map = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, b->fd.get(), 0);
-    if (map == MAP_FAILED) throwErrno("mapping a snapshot of " + std::to_string(bytes) + " bytes", errno);
-    b->map = static_cast<char*>(map);
-    b->bytes = bytes;
-    buffers.push_back(b);
-    return b;
-  }
-
   // A process without snapshot memory yet (a replacement) that restored `step` takes back the
   // piece of its rank that the keeper drops at its next put anyway: its memory is what that next
   // snapshot needs (no new memory to fault in on the first step after a restore). Best effort.
   void takeBackDroppedPiece(std::int64_t step) {
-    if (std::any_of(buffers.begin(), buffers.end(), [](const auto& b) { return !b->adopted; })) return;
+    if (memory.ownsMemory()) return;
     try {
       Fd fd;
       const json answer = ask({{"op", "recycle"}, {"rank", runtime.rank()}, {"world", runtime.worldSize()},
                                {"before", step}}, -1, &fd);
       if (!answer.value("ok", false) || !fd) return;
-      auto b = std::make_shared<Buffer>();
-      b->bytes = snapshot::fileBytes(fd.get());
-      void* map = ::mmap(nullptr, b->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
-      if (map == MAP_FAILED) return;  // sealed against writes: not reusable
-      b->fd = std::move(fd);
-      b->map = static_cast<char*>(map);
-      buffers.push_back(b);
+      const auto b = memory.takeBack(std::move(fd));
+      if (!b) return;  // sealed against writes: not reusable
       // Its pages made writable while the first step's forward and backward run (the step writes
-      // all of them; one call is cheaper than a fault per page). step() waits for this.
-      worker.run([b] { ::madvise(b->map, b->bytes, MADV_POPULATE_WRITE); });
+      // all of them; a few calls cost less than a fault per page); step() waits for this. In
+      // 64 MB pieces: each call holds the address space's lock, which the training thread's
+      // allocations wait for.
+      worker.run([b] {
+        constexpr std::uint64_t kChunk = 64ULL << 20;
+        for (std::uint64_t at = 0; at < b->bytes; at += kChunk) {
+          ::madvise(b->map + at, std::min(kChunk, b->bytes - at), MADV_POPULATE_WRITE);
+        }
+      });
     } catch (const std::exception& e) {
       log::debug("rank {}: no snapshot memory taken back from the keeper: {}", runtime.rank(), e.what());
     }
@@ -315,19 +197,6 @@ struct Snapshotter::Impl {
     return true;
   }
 
-  // Every tensor that lies in a snapshot buffer moves to memory of its own (once; the next
-  // optimizer step then changes nothing the agent holds).
-  void moveOut(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer) {
-    if (!live) return;
-    at::NoGradGuard noGrad;
-    const auto moveIfInLive = [&](const at::Tensor&, const std::string&, at::Tensor& t) {
-      if (inside(live, t)) t.set_(t.clone());
-      return true;
-    };
-    forEachStateTensor(model, optimizer, optimizerKind(optimizer), moveIfInLive);
-    live.reset();
-  }
-
   // The optimizer step written into a free buffer laid out as the next snapshot: the shards and
   // the optimizer state at fixed offsets after a region for the small blocks (RNG, the module's
   // buffers) and a reserve for the header. False, with nothing changed, when the model or the
@@ -361,7 +230,7 @@ struct Snapshotter::Impl {
       // One in a snapshot buffer is ours; what else refers to it only reads it (a checkpoint
       // writer's views of frozen state).
       if (!flat.shard.device().is_cpu() || !flat.shard.is_contiguous() ||
-          (!inside(live, flat.shard) && flat.shard.storage().use_count() != 1)) {
+          (!inside(memory.live, flat.shard) && flat.shard.storage().use_count() != 1)) {
         return false;
       }
       slot(flat.shard, "param", flat.shard);
@@ -381,7 +250,7 @@ struct Snapshotter::Impl {
     }
     headerReserve = alignUp(headerReserve, 4096);
     const std::uint64_t dataOffset = snapshot::dataOffsetFor(headerReserve);
-    const auto buffer = bufferFor(dataOffset + cursor, -1);
+    const auto buffer = memory.bufferFor(dataOffset + cursor, pieceName(-1));
     buffer->headerReserve = headerReserve;
     buffer->smallBytes = small;
     const auto place = [&](const at::Tensor& p, const char* what) {
@@ -397,7 +266,7 @@ struct Snapshotter::Impl {
       if (!inside(buffer, t)) t.set_(place(shard, what.c_str()).copy_(t));
       return true;
     });
-    live = buffer;
+    memory.live = buffer;
     return true;
   }
 
@@ -409,8 +278,8 @@ struct Snapshotter::Impl {
     const json headerBase = {{"rank", rank}, {"world", world}, {"step", step}, {"round", runtime.env().round}};
     std::string header;
     std::shared_ptr<Buffer> buffer;
-    if (live && layOutInPlace(*live, plan, headerBase, meta, header)) {
-      buffer = live;
+    if (memory.live && layOutInPlace(*memory.live, plan, headerBase, meta, header)) {
+      buffer = memory.live;
     } else {
       std::uint64_t offset = 0;
       json blocks = json::array();
@@ -420,7 +289,7 @@ struct Snapshotter::Impl {
         blocks.push_back(blockJson(b));
       }
       header = headerText(headerBase, std::move(blocks), meta);
-      buffer = bufferFor(snapshot::dataOffsetFor(header.size()) + offset, step);
+      buffer = memory.bufferFor(snapshot::dataOffsetFor(header.size()) + offset, pieceName(step));
     }
     const std::uint64_t dataOffset = snapshot::dataOffsetFor(header.size());
     const std::uint64_t total = buffer->bytes;
@@ -438,7 +307,7 @@ struct Snapshotter::Impl {
                             piece);
     if (!answer.value("ok", false)) {
       refused = true;
-      buffers.clear();
+      memory.buffers.clear();
       buffer.reset();
       log::warn("rank {}: in-memory snapshots are off for this run: {}; disk checkpoints go on", rank,
                 answer.value("error", std::string("refused")));
@@ -446,7 +315,7 @@ struct Snapshotter::Impl {
     }
     // What the keeper no longer holds is this process's to overwrite.
     const auto held = answer.value("held", std::vector<std::int64_t>{});
-    for (auto& b : buffers) {
+    for (auto& b : memory.buffers) {
       if (b->step != step && std::find(held.begin(), held.end(), b->step) == held.end()) b->step = -1;
     }
     if (peerEndpoint.empty() || peerFailed) return;
@@ -522,20 +391,20 @@ void Snapshotter::step(FullyShardedDataParallel& model, torch::optim::Optimizer&
   auto& d = *impl_;
   wait();
   if (enabled() && d.stepIntoBuffer(model, optimizer)) return;
-  d.moveOut(model, optimizer);
+  d.memory.moveOut(model, optimizer);
   optimizer.step();
 }
 
 bool Snapshotter::frozen(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer) const {
   const auto& d = *impl_;
-  if (!d.live) return false;
+  if (!d.memory.live) return false;
   std::string kind;
   try {
     kind = optimizerKind(optimizer);
   } catch (const ConfigError&) {
     return false;
   }
-  return d.liesInLive(model, optimizer, kind);
+  return d.memory.liesInLive(model, optimizer, kind);
 }
 
 void Snapshotter::save(FullyShardedDataParallel& model, torch::optim::Optimizer* optimizer,
@@ -587,10 +456,20 @@ std::optional<TrainingProgress> Snapshotter::restore(FullyShardedDataParallel& m
                           return d.ownStateHolds(model, optimizer, step, world);
                         },
                         .mapOwnPiece = [&d](int fd, std::uint64_t bytes, std::int64_t step, int world) {
-                          return d.mapPiece(fd, bytes, step, world);
+                          return d.memory.mapPiece(fd, bytes, step, d.runtime.rank(), world);
                         }};
-  auto restored = restoreFromKeepers(link, model, optimizer);
-  d.keepMapped(model, optimizer);
+  d.memory.mapped.reset();
+  std::optional<detail::Restored> restored;
+  try {
+    restored = restoreFromKeepers(link, model, optimizer);
+  } catch (...) {
+    d.memory.mapped.reset();
+    throw;
+  }
+  if (d.memory.keepMapped(model, optimizer)) {
+    log::debug("rank {}: the state of step {} lies in its piece, mapped (not copied)", d.runtime.rank(),
+               d.memory.live->step);
+  }
   if (!restored) return std::nullopt;
   d.takeBackDroppedPiece(restored->progress.step);
   d.restoredFrom = std::move(restored->source);

@@ -1,0 +1,108 @@
+// A rank's snapshot memory in its own process (snapshot_memory.hpp).
+#include "snapshot_memory.hpp"
+
+#include <algorithm>
+
+namespace fsdp::worker::detail {
+
+bool SnapshotMemory::ownsMemory() const {
+  return std::any_of(buffers.begin(), buffers.end(), [](const auto& b) { return !b->adopted; });
+}
+
+std::shared_ptr<Buffer> SnapshotMemory::bufferFor(std::uint64_t bytes, const std::string& name) {
+  for (auto it = buffers.begin(); it != buffers.end();) {
+    if ((*it)->step >= 0 || it->use_count() > 1) {
+      ++it;
+    } else if ((*it)->bytes == bytes && !(*it)->adopted) {
+      return *it;
+    } else {
+      it = buffers.erase(it);  // another layout (its size will not come back), or a mapped piece
+    }
+  }
+  auto b = std::make_shared<Buffer>();
+  b->fd = snapshot::createMemfd(name, bytes);
+  snapshot::sealPiece(b->fd.get(), /*writes=*/false);
+  void* map = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, b->fd.get(), 0);
+  if (map == MAP_FAILED) throwErrno("mapping a snapshot of " + std::to_string(bytes) + " bytes", errno);
+  b->map = static_cast<char*>(map);
+  b->bytes = bytes;
+  buffers.push_back(b);
+  return b;
+}
+
+std::shared_ptr<Buffer> SnapshotMemory::takeBack(snapshot::Fd fd) {
+  auto b = std::make_shared<Buffer>();
+  b->bytes = snapshot::fileBytes(fd.get());
+  void* map = ::mmap(nullptr, b->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+  if (map == MAP_FAILED) return nullptr;
+  b->fd = std::move(fd);
+  b->map = static_cast<char*>(map);
+  buffers.push_back(b);
+  return b;
+}
+
+bool SnapshotMemory::liesInLive(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer,
+                                const std::string& kind) const {
+  std::size_t i = 0;
+  return forEachStateTensor(model, optimizer, kind, [&](const at::Tensor&, const std::string&, at::Tensor& t) {
+    if (!inside(live, t)) return false;
+    return !live->adopted || (i < live->versions.size() && live->versions[i++] == t._version());
+  });
+}
+
+std::shared_ptr<char> SnapshotMemory::mapPiece(int fd, std::uint64_t bytes, std::int64_t step, int rank, int world) {
+  if (ownsMemory()) return nullptr;
+  void* map = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+  if (map == MAP_FAILED) return nullptr;
+  auto b = std::make_shared<Buffer>();
+  b->map = static_cast<char*>(map);
+  b->bytes = bytes;
+  b->step = step;
+  b->rank = rank;
+  b->world = world;
+  b->adopted = true;
+  mapped = b;
+  return {b, b->map};
+}
+
+bool SnapshotMemory::keepMapped(FullyShardedDataParallel& model, torch::optim::Optimizer* optimizer) {
+  const auto b = std::move(mapped);
+  if (!b || optimizer == nullptr) return false;
+  std::string kind;
+  try {
+    kind = optimizerKind(*optimizer);
+  } catch (const ConfigError&) {
+    return false;
+  }
+  std::vector<std::int64_t> versions;
+  const bool all = forEachStateTensor(model, *optimizer, kind, [&](const at::Tensor&, const std::string&, at::Tensor& t) {
+    versions.push_back(t._version());
+    return inside(b, t);
+  });
+  if (!all) {
+    // Some state was copied (a shard that shares its memory): the views move out too.
+    at::NoGradGuard noGrad;
+    forEachStateTensor(model, *optimizer, kind, [&](const at::Tensor&, const std::string&, at::Tensor& t) {
+      if (inside(b, t)) t.set_(t.clone());
+      return true;
+    });
+    return false;
+  }
+  b->versions = std::move(versions);
+  buffers.push_back(b);
+  live = b;
+  return true;
+}
+
+void SnapshotMemory::moveOut(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer) {
+  if (!live) return;
+  at::NoGradGuard noGrad;
+  const auto moveIfInLive = [&](const at::Tensor&, const std::string&, at::Tensor& t) {
+    if (inside(live, t)) t.set_(t.clone());
+    return true;
+  };
+  forEachStateTensor(model, optimizer, optimizerKind(optimizer), moveIfInLive);
+  live.reset();
+}
+
+}  // namespace fsdp::worker::detail
