@@ -1,6 +1,8 @@
 // A rank's snapshot memory in its own process (snapshot_memory.hpp).
 #include "snapshot_memory.hpp"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 
 namespace fsdp::worker::detail {
@@ -51,10 +53,18 @@ bool SnapshotMemory::liesInLive(FullyShardedDataParallel& model, torch::optim::O
 }
 
 std::shared_ptr<char> SnapshotMemory::mapPiece(int fd, std::uint64_t bytes, std::int64_t step, int rank, int world) {
-  if (ownsMemory()) return nullptr;
+  struct stat piece {};
+  if (::fstat(fd, &piece) != 0) return nullptr;
   void* map = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
   if (map == MAP_FAILED) return nullptr;
   auto b = std::make_shared<Buffer>();
+  for (const auto& own : buffers) {
+    struct stat st {};
+    if (!own->adopted && own->fd && ::fstat(own->fd.get(), &st) == 0 && st.st_dev == piece.st_dev &&
+        st.st_ino == piece.st_ino) {
+      b->pinned = own;
+    }
+  }
   b->map = static_cast<char*>(map);
   b->bytes = bytes;
   b->step = step;

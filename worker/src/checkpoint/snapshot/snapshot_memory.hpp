@@ -34,6 +34,10 @@ struct Buffer {
   // an in-place change (an optimizer.step() outside step()) moves.
   bool adopted = false;
   std::vector<std::int64_t> versions;
+  // A mapped piece that is this process's own snapshot (a survivor's): its buffer on the same
+  // memfd, not written again while this maps it (a private mapping's unwritten pages would show
+  // those writes).
+  std::shared_ptr<Buffer> pinned;
   Buffer() = default;
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
@@ -85,9 +89,7 @@ struct SnapshotMemory {
   // A restore's own piece (of `rank` of `world` at `step`) mapped copy-on-write: the state
   // restored into it is not copied, and what writes it in place later (an optimizer.step()
   // outside step()) changes this process's pages, never the keeper's piece. Null when it cannot
-  // be: then the restore copies. Only a process without snapshot memory of its own (a new one)
-  // maps: a survivor's piece is a memfd it may write again once the keeper drops it, and a
-  // private mapping's unwritten pages would show those writes.
+  // be: then the restore copies.
   std::shared_ptr<char> mapPiece(int fd, std::uint64_t bytes, std::int64_t step, int rank, int world);
   // After a restore: the mapped piece becomes `live` (true) when every state tensor lies in it,
   // as a survivor's lies in its last snapshot, with their versions now; else what lies in it
