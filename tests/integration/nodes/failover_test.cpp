@@ -81,8 +81,14 @@ void killTheHost(bool shared) {
   // All three in the round (a round of two may form first, after the last call).
   ASSERT_TRUE(job.waitForWorkers(3, 300s)) << job.allErr();
   ASSERT_TRUE(job.waitForStep(kKillAfter, 300s)) << job.allErr();
-  const int host = job.agentOfRank(0);
-  ASSERT_EQ(host, 0) << "agent 0 (the endpoint) should be node 0\n" << job.allErr();
+  // Agent 0 serves the rendezvous (is_host=true). It is node 0 unless the other two formed a
+  // round before its own join (seen once under ctest -j2, with the shared address): with one
+  // address either survivor may serve next, which the checks below allow, so the shape holds
+  // anyway; with addresses of their own they expect node 0's successor, agent 1.
+  const int host = 0;
+  if (!shared) {
+    ASSERT_EQ(job.agentOfRank(0), host) << "agent 0 (the endpoint) should be node 0\n" << job.allErr();
+  }
   const double killedAt = unixNow();
   ASSERT_TRUE(job.kill(host));
   const json summary = survivorsSucceed(job, host, 400s);
