@@ -108,12 +108,8 @@ struct Snapshotter::Impl {
   bool ownStateHolds(FullyShardedDataParallel& model, torch::optim::Optimizer* optimizer, std::int64_t step, int world) {
     auto& live = memory.live;
     if (!live || optimizer == nullptr) return false;
-    std::string kind;
-    try {
-      kind = optimizerKind(*optimizer);
-    } catch (const ConfigError&) {
-      return false;
-    }
+    const std::string kind = kindOf(*optimizer);
+    if (kind.empty()) return false;
     const bool all = memory.liesInLive(model, *optimizer, kind);
     if (all && live->step == step && live->world == world && world == runtime.worldSize() &&
         live->rank == runtime.rank()) {
@@ -202,12 +198,8 @@ struct Snapshotter::Impl {
   // buffers) and a reserve for the header. False, with nothing changed, when the model or the
   // optimizer does not allow it.
   bool stepIntoBuffer(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer) {
-    std::string kind;
-    try {
-      kind = optimizerKind(optimizer);
-    } catch (const ConfigError&) {
-      return false;
-    }
+    const std::string kind = kindOf(optimizer);
+    if (kind.empty()) return false;
     if (kind != "adam" && kind != "adamw") return false;
     const ShardLayout layout = model->shardLayout();
     static const auto rngBytes = static_cast<std::uint64_t>(at::detail::getDefaultCPUGenerator().get_state().nbytes());
@@ -398,12 +390,8 @@ void Snapshotter::step(FullyShardedDataParallel& model, torch::optim::Optimizer&
 bool Snapshotter::frozen(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer) const {
   const auto& d = *impl_;
   if (!d.memory.live) return false;
-  std::string kind;
-  try {
-    kind = optimizerKind(optimizer);
-  } catch (const ConfigError&) {
-    return false;
-  }
+  const std::string kind = kindOf(optimizer);
+  if (kind.empty()) return false;
   return d.memory.liesInLive(model, optimizer, kind);
 }
 

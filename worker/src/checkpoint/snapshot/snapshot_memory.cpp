@@ -78,12 +78,8 @@ std::shared_ptr<char> SnapshotMemory::mapPiece(int fd, std::uint64_t bytes, std:
 bool SnapshotMemory::keepMapped(FullyShardedDataParallel& model, torch::optim::Optimizer* optimizer) {
   const auto b = std::move(mapped);
   if (!b || optimizer == nullptr) return false;
-  std::string kind;
-  try {
-    kind = optimizerKind(*optimizer);
-  } catch (const ConfigError&) {
-    return false;
-  }
+  const std::string kind = kindOf(*optimizer);
+  if (kind.empty()) return false;
   std::vector<std::int64_t> versions;
   const bool all = forEachStateTensor(model, *optimizer, kind, [&](const at::Tensor&, const std::string&, at::Tensor& t) {
     versions.push_back(t._version());

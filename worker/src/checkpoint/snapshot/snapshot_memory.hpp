@@ -46,6 +46,15 @@ struct Buffer {
   }
 };
 
+// The optimizer's kind as a checkpoint names it; "" for one whose state cannot be saved.
+inline std::string kindOf(const torch::optim::Optimizer& optimizer) {
+  try {
+    return optimizerKind(optimizer);
+  } catch (const ConfigError&) {
+    return "";
+  }
+}
+
 inline bool inside(const std::shared_ptr<Buffer>& b, const at::Tensor& t) {
   const auto* p = static_cast<const char*>(t.data_ptr());
   return b && p >= b->map && p < b->map + b->bytes;
