@@ -183,12 +183,15 @@ TrainingProgress loadManifest(Runtime& runtime, const Manifest& m, Reader& reade
     // optimizer state are used where they lie, not read (Reader::view says where it cannot).
     const int rank = runtime.rank();
     const bool ownFile = m.meta.at("world_size").get<int>() == runtime.worldSize() && rank < m.files;
-    const auto inPlace = [&](std::size_t f, const FlatParamInfo& flat, const std::string& what) {
-      if (!ownFile || f >= m.flatNumel.size() || m.flatNumel[f] != flat.numel) return at::Tensor();
-      for (const auto& p : flat.params) {
+    const auto sameFlat = [&](std::size_t f, const FlatParamInfo& flat) {
+      if (!ownFile || f >= m.flatNumel.size() || m.flatNumel[f] != flat.numel) return false;
+      return std::all_of(flat.params.begin(), flat.params.end(), [&](const auto& p) {
         const auto& saved = m.params.at(p.name);
-        if (saved.flat != static_cast<int>(f) || saved.offset != p.offset) return at::Tensor();
-      }
+        return saved.flat == static_cast<int>(f) && saved.offset == p.offset;
+      });
+    };
+    // Once sameFlat(f) holds.
+    const auto inPlace = [&](std::size_t f, const FlatParamInfo& flat, const std::string& what) {
       const std::int64_t valid = std::max<std::int64_t>(0, std::min(flat.shardNumel, flat.numel - flat.shardOffset));
       for (const auto& b : m.blocks[static_cast<std::size_t>(rank)]) {
         if (b.flat == static_cast<int>(f) && b.what == what && b.start == flat.shardOffset && b.count == valid) {
@@ -200,9 +203,10 @@ TrainingProgress loadManifest(Runtime& runtime, const Manifest& m, Reader& reade
     for (std::size_t f = 0; f < layout.flats.size(); ++f) {
       if (keepOwnState) break;  // this rank's own state holds the step already
       const auto& flat = layout.flats[f];
+      const bool mapped = sameFlat(f, flat);
       // The shard takes the view's memory by set_(): only where nothing else refers to its own
       // (one rank: the module's parameters are views of it).
-      auto values = flat.shard.storage().use_count() == 1 ? inPlace(f, flat, "param") : at::Tensor();
+      auto values = mapped && flat.shard.storage().use_count() == 1 ? inPlace(f, flat, "param") : at::Tensor();
       viewed.push_back(values.defined());
       if (!viewed.back()) {
         values = at::zeros_like(flat.shard.detach(), at::TensorOptions().device(at::kCPU));
@@ -213,7 +217,7 @@ TrainingProgress loadManifest(Runtime& runtime, const Manifest& m, Reader& reade
       const int oldFlat = flat.params.empty() ? -1 : m.params.at(flat.params.front().name).flat;
       for (const auto& name : stateNames) {
         if (oldFlat >= 0 && !saved(oldFlat, "optim/" + name)) continue;
-        auto t = inPlace(f, flat, "optim/" + name);
+        auto t = mapped ? inPlace(f, flat, "optim/" + name) : at::Tensor();
         if (!t.defined()) {
           t = at::zeros_like(flat.shard.detach(), at::TensorOptions().device(at::kCPU));
           fillShard(reader, m, flat, "optim/" + name, t);

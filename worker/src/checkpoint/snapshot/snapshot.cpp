@@ -446,7 +446,6 @@ std::optional<TrainingProgress> Snapshotter::restore(FullyShardedDataParallel& m
                         .mapOwnPiece = [&d](int fd, std::uint64_t bytes, std::int64_t step, int world) {
                           return d.memory.mapPiece(fd, bytes, step, d.runtime.rank(), world);
                         }};
-  d.memory.mapped.reset();
   std::optional<detail::Restored> restored;
   try {
     restored = restoreFromKeepers(link, model, optimizer);

@@ -7,6 +7,20 @@
 
 namespace fsdp::worker::detail {
 
+namespace {
+
+// Every state tensor that lies in `b` moves to memory of its own (a copy).
+void moveOutOf(const std::shared_ptr<Buffer>& b, FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer,
+               const std::string& kind) {
+  at::NoGradGuard noGrad;
+  forEachStateTensor(model, optimizer, kind, [&](const at::Tensor&, const std::string&, at::Tensor& t) {
+    if (inside(b, t)) t.set_(t.clone());
+    return true;
+  });
+}
+
+}  // namespace
+
 bool SnapshotMemory::ownsMemory() const {
   return std::any_of(buffers.begin(), buffers.end(), [](const auto& b) { return !b->adopted; });
 }
@@ -86,12 +100,7 @@ bool SnapshotMemory::keepMapped(FullyShardedDataParallel& model, torch::optim::O
     return inside(b, t);
   });
   if (!all) {
-    // Some state was copied (a shard that shares its memory): the views move out too.
-    at::NoGradGuard noGrad;
-    forEachStateTensor(model, *optimizer, kind, [&](const at::Tensor&, const std::string&, at::Tensor& t) {
-      if (inside(b, t)) t.set_(t.clone());
-      return true;
-    });
+    moveOutOf(b, model, *optimizer, kind);  // some state was copied (a shard that shares its memory)
     return false;
   }
   b->versions = std::move(versions);
@@ -102,12 +111,7 @@ bool SnapshotMemory::keepMapped(FullyShardedDataParallel& model, torch::optim::O
 
 void SnapshotMemory::moveOut(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer) {
   if (!live) return;
-  at::NoGradGuard noGrad;
-  const auto moveIfInLive = [&](const at::Tensor&, const std::string&, at::Tensor& t) {
-    if (inside(live, t)) t.set_(t.clone());
-    return true;
-  };
-  forEachStateTensor(model, optimizer, optimizerKind(optimizer), moveIfInLive);
+  moveOutOf(live, model, optimizer, optimizerKind(optimizer));
   live.reset();
 }
 
