@@ -25,8 +25,9 @@ Under ``fsdprun`` (the agent puts this package on every worker's ``PYTHONPATH``)
   report says who waits in it and who never entered it.
 - ``snapshot(step, state)`` copies ``state`` (nested dicts, lists and tuples of tensors and plain
   values: ``model.state_dict()``, ``optimizer.state_dict()``) into a sealed memfd the node's agent
-  holds across this process's death; a background thread copies it to the next node's agent, so
-  the next step never waits for the network. ``restore()`` brings back the newest step every rank
+  holds across this process's death; a background thread copies it to the next node's agent
+  while the next forward and backward run (the next optimizer ``step()`` waits for it, so a lost
+  node redoes at most one step). ``restore()`` brings back the newest step every rank
   holds (own node's memory, else a lost node's peer copy). The cost is one copy of the state per
   call (memory bandwidth), plus the peer copy off the training thread.
 - ``report_step`` with ``mark_progress`` gives the step split of libfsdp ranks as far as Python sees

@@ -5,9 +5,9 @@ Speaks the keeper protocol of ``common/include/fsdp/common/snapshot_wire.hpp`` a
 the data offset, the header length, a JSON header, the data at 4096-aligned offsets) handed to the
 node's agent over an abstract SOCK_SEQPACKET socket (FSDPRUN_SNAPSHOT_SOCKET); a copy goes to the
 next node's agent over TCP (length-prefixed JSON frames, an HMAC under the job token), sent by a
-background thread. The header's "meta" holds the state's tree: {"d": [[key, value], ...]} for a
-dict, {"l": [...]} a list, {"u": [...]} a tuple, {"t": i} the i-th tensor of "blocks", {"v": x} a
-plain value, {"f": "nan"} a non-finite float.
+background thread (the wires: ``_wire.py``). The header's "meta" holds the state's tree:
+{"d": [[key, value], ...]} for a dict, {"l": [...]} a list, {"u": [...]} a tuple, {"t": i} the
+i-th tensor of "blocks", {"v": x} a plain value, {"f": "nan"} a non-finite float.
 """
 from __future__ import annotations
 
@@ -28,10 +28,11 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
+from ._wire import Keeper, connect, read_exact, read_frame, send_piece, write_frame
+
 MAGIC = b"FSDPSNP1"
 PREFIX_BYTES = 24
 ALIGN = 4096
-MAX_MESSAGE = 1 << 18
 
 _log = logging.getLogger("fsdprun")
 
@@ -90,59 +91,6 @@ def _decode(node: Dict[str, Any], tensors: List[Any]) -> Any:
     raise ValueError(f"a malformed snapshot tree node: {str(node)[:100]}")
 
 
-# -- the keeper ------------------------------------------------------------------------------
-
-class _Keeper:
-    """The node's agent, over its Unix socket; one request at a time."""
-
-    def __init__(self, name: str):
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        self._sock.settimeout(120)
-        self._sock.connect("\0" + name)
-        self._lock = threading.Lock()
-
-    def ask(self, request: Dict[str, Any], fd: Optional[int] = None) -> Tuple[Dict[str, Any], Optional[int]]:
-        with self._lock:
-            payload = json.dumps(request).encode()
-            if fd is None:
-                self._sock.send(payload)
-            else:
-                socket.send_fds(self._sock, [payload], [fd])
-            data, fds, _, _ = socket.recv_fds(self._sock, MAX_MESSAGE, 1)
-        if not data:
-            raise ConnectionError("the agent's snapshot keeper closed the connection")
-        return json.loads(data), (fds[0] if fds else None)
-
-
-def _frame(sock: socket.socket, text: str) -> None:
-    data = text.encode()
-    sock.sendall(struct.pack("=I", len(data)) + data)
-
-
-def _read_exact(sock: socket.socket, n: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        chunk = sock.recv(min(n - len(out), 1 << 20))
-        if not chunk:
-            raise ConnectionError("the peer keeper closed the stream")
-        out += chunk
-    return bytes(out)
-
-
-def _read_frame(sock: socket.socket) -> Dict[str, Any]:
-    (length,) = struct.unpack("=I", _read_exact(sock, 4))
-    if length > 65536:
-        raise ConnectionError(f"a frame of {length} bytes from the peer keeper")
-    return json.loads(_read_exact(sock, length))
-
-
-def _connect(endpoint: str, timeout: float) -> socket.socket:
-    host, _, port = endpoint.rpartition(":")
-    sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
-
-
 class _Buffer:
     """A piece's memory, written again once the agent no longer holds the step it last held (no
     fresh pages to fault in every step): a memfd sealed against growing and shrinking, mapped
@@ -173,7 +121,7 @@ class _Snapshots:
     """The process's snapshots: its keeper, its peer, the copy thread, the buffers."""
 
     def __init__(self) -> None:
-        self.keeper: Optional[_Keeper] = None
+        self.keeper: Optional[Keeper] = None
         self.tried = False
         self.rank = int(os.environ.get("RANK", "0"))
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -222,7 +170,7 @@ class _Snapshots:
             name = os.environ.get("FSDPRUN_SNAPSHOT_SOCKET")
             if name:
                 try:
-                    self.keeper = _Keeper(name)
+                    self.keeper = Keeper(name)
                 except OSError as e:
                     _log.warning("fsdprun: rank %d: no in-memory snapshots: %s", self.rank, e)
                 token_file = os.environ.get("FSDPRUN_TOKEN_FILE")
@@ -264,17 +212,26 @@ class _Snapshots:
         self.hook_optimizers()
         self.pending = self.writer.submit(job)
 
+    def settle(self) -> None:
+        """Waits for the write in flight, then for the copies to the next node queued so far."""
+        self.drain()
+        if self.copy_thread is not None:
+            self.copies.join()
+
     def hook_optimizers(self) -> None:
-        """Every optimizer's step() waits for the write in flight (the step changes parameters and
-        the optimizer's state in place): PyTorch 2.x's global pre-hook; on 1.13, which has none,
-        the step() of every optimizer class defined by now, wrapped once."""
+        """Every optimizer's step() waits first (settle()) for the write in flight (the step changes
+        parameters and the optimizer's state in place) and for the copy to the next node of the
+        snapshot before it (so a lost node leaves its last snapshot on the next node, and redoes
+        at most the step it was in, as libfsdp's Snapshotter::step() does): PyTorch 2.x's global
+        pre-hook; on 1.13, which has none, the step() of every optimizer class defined by now,
+        wrapped once."""
         if self.hooked:
             return
         self.hooked = True
         import torch
         import torch.optim.optimizer as optim
         if hasattr(optim, "register_optimizer_step_pre_hook"):
-            optim.register_optimizer_step_pre_hook(lambda *_: self.drain())
+            optim.register_optimizer_step_pre_hook(lambda *_: self.settle())
             return
         classes, seen = [torch.optim.Optimizer], set()
         while classes:
@@ -289,7 +246,7 @@ class _Snapshots:
 
             @functools.wraps(step)
             def waiting_step(*args, __step=step, **kwargs):  # noqa: ANN002, ANN003, ANN202
-                self.drain()
+                self.settle()
                 return __step(*args, **kwargs)
 
             waiting_step._fsdprun_waits = True
@@ -299,6 +256,7 @@ class _Snapshots:
     def queue_copy(self, buffer: _Buffer, step: int, size: int) -> None:
         if self.peer is None or self.peer_failed:
             return
+        self.hook_optimizers()
         if self.copy_thread is None:
             self.copy_thread = threading.Thread(target=self._copy_loop, name="fsdprun-peer-copy", daemon=True)
             self.copy_thread.start()
@@ -324,16 +282,17 @@ class _Snapshots:
                     fd = buffer.fd
                 if self.peer_failed:
                     continue
+                delay = os.environ.get("FSDPRUN_TEST_PEER_COPY_DELAY_MS")  # tests: a slow network, made so
+                if delay:
+                    time.sleep(float(delay) / 1000)
                 if sock is None:
-                    sock = _connect(self.peer, 60)
+                    sock = connect(self.peer, 60)
                 mac = hmac.new(self.token, f"fsdprun-snapshot|{self.run}|{self.rank}|{self.world}|{step}|{size}"
                                .encode(), hashlib.sha256).hexdigest()
-                _frame(sock, json.dumps({"run": self.run, "rank": self.rank, "world": self.world, "step": step,
+                write_frame(sock, json.dumps({"run": self.run, "rank": self.rank, "world": self.world, "step": step,
                                          "bytes": size, "mac": mac}))
-                sent = 0
-                while sent < size:
-                    sent += os.sendfile(sock.fileno(), fd, sent, size - sent)
-                reply = _read_frame(sock)
+                send_piece(sock, fd, size)
+                reply = read_frame(sock)
                 if not reply.get("ok"):
                     raise RuntimeError(reply.get("error", "refused"))
             except (OSError, RuntimeError, ValueError) as e:
@@ -408,7 +367,9 @@ def _fill(layout: Tuple[bytes, List[Dict[str, Any]], int, int], tensors: List[An
 
 def snapshot(step: int, state: Any, background: bool = False) -> None:
     """Hands ``state`` (after ``step``) to this node's agent, which holds it across this process's
-    death; a background thread copies it to the next node's agent. Every rank calls it at the
+    death; a background thread copies it to the next node's agent while the next step's forward
+    and backward run, and every optimizer's ``step()`` waits for that copy (as libfsdp's
+    snapshots do), so a lost node leaves this step on the next node. Every rank calls it at the
     same steps (its first call is collective: the ranks learn where the next node's agent
     listens). Active under fsdprun with ``--max_restarts`` > 0; elsewhere it does nothing.
 
@@ -477,10 +438,8 @@ def wait() -> None:
     """Waits until the snapshot written in the background is with this node's agent (raising the
     agent's refusal of it) and the copies to the next node's agent queued so far are sent (or
     failed)."""
-    _snaps.drain()
+    _snaps.settle()
     _snaps.raise_late()
-    if _snaps.copy_thread is not None:
-        _snaps.copies.join()
 
 
 def _read_piece(fd: int) -> Tuple[int, Any]:
@@ -511,13 +470,13 @@ def _fetch_remote(endpoint: str, rank: int, world: int, step: int) -> int:
     """Rank `rank`'s piece (of `world`, at `step`) from another node's agent, into a memfd."""
     mac = hmac.new(_snaps.token, f"fsdprun-snapshot-get|{_snaps.run}|{rank}|{world}|{step}".encode(),
                    hashlib.sha256).hexdigest()
-    with _connect(endpoint, 60) as sock:
-        _frame(sock, json.dumps({"op": "get", "run": _snaps.run, "rank": rank, "world": world,
+    with connect(endpoint, 60) as sock:
+        write_frame(sock, json.dumps({"op": "get", "run": _snaps.run, "rank": rank, "world": world,
                                  "step": step, "mac": mac}))
-        reply = _read_frame(sock)
+        reply = read_frame(sock)
         if not reply.get("ok"):
             raise RuntimeError(reply.get("error", "refused"))
-        data = _read_exact(sock, int(reply["bytes"]))
+        data = read_exact(sock, int(reply["bytes"]))
     fd = os.memfd_create("fsdprun-fetched", os.MFD_CLOEXEC)
     os.write(fd, data)
     return fd

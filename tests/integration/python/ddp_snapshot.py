@@ -8,6 +8,7 @@ Faults, on the first attempt only: --kill_rank R --kill_step S SIGKILLs rank R a
 --stall_rank R --stall_step S --stall_kind loop|read makes rank R spin in stuck_in_a_loop() or
 block in stuck_in_a_read() just before step S's backward. --slow_rank R --slow_ms MS: rank R's
 every forward takes MS longer (a straggler).
+--hidden N: the model's width (a state past a socket's send buffer, 1536: 19 MB).
 --metrics_file F: rank 0 appends {"type": "train", "step", "unix_time"} per step and a "resume" line.
 Rank 0 prints one JSON line at the end: {"steps", "resumed_step", "resumed_from", "attempt",
 "params_sha256", "step_ms_median" (this attempt's steps, snapshot included), "fsdprun": whether the
@@ -63,6 +64,7 @@ def main() -> int:
     parser.add_argument("--replicated", action="store_true", help="restore(replicated=True)")
     parser.add_argument("--slow_rank", type=int, default=-1, help="this rank's forward takes --slow_ms longer")
     parser.add_argument("--slow_ms", type=float, default=0.0)
+    parser.add_argument("--hidden", type=int, default=64, help="the middle layer's width (1536: a 19 MB state)")
     args = parser.parse_args()
     standalone = "RANK" not in os.environ
     if standalone:  # python3 ddp_snapshot.py: one process, a world of one
@@ -71,7 +73,8 @@ def main() -> int:
     rank = dist.get_rank()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     torch.manual_seed(0)
-    model = DDP(nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)))
+    model = DDP(nn.Sequential(nn.Linear(20, args.hidden), nn.ReLU(), nn.Linear(args.hidden, args.hidden), nn.ReLU(),
+                              nn.Linear(args.hidden, 4)))
     fsdprun.record_ddp(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     # DDP lays its buckets out again after the first backward of a process (in the order the
