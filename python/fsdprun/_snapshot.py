@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from ._wire import Keeper, connect, read_exact, read_frame, send_piece, write_frame
+from ._wire import Keeper, connect, read_frame, receive_piece, send_piece, write_frame
 
 MAGIC = b"FSDPSNP1"
 PREFIX_BYTES = 24
@@ -472,14 +472,11 @@ def _fetch_remote(endpoint: str, rank: int, world: int, step: int) -> int:
                    hashlib.sha256).hexdigest()
     with connect(endpoint, 60) as sock:
         write_frame(sock, json.dumps({"op": "get", "run": _snaps.run, "rank": rank, "world": world,
-                                 "step": step, "mac": mac}))
+                                      "step": step, "mac": mac}))
         reply = read_frame(sock)
         if not reply.get("ok"):
             raise RuntimeError(reply.get("error", "refused"))
-        data = read_exact(sock, int(reply["bytes"]))
-    fd = os.memfd_create("fsdprun-fetched", os.MFD_CLOEXEC)
-    os.write(fd, data)
-    return fd
+        return receive_piece(sock, int(reply["bytes"]))
 
 
 def restored_from() -> str:

@@ -4,6 +4,8 @@ JSON frames, then a piece's bytes)."""
 from __future__ import annotations
 
 import json
+import mmap
+import os
 import socket
 import struct
 import threading
@@ -71,3 +73,24 @@ def send_piece(sock: socket.socket, fd: int, size: int) -> None:
     with open(fd, "rb", closefd=False) as piece:
         if sock.sendfile(piece, 0, size) != size:
             raise ConnectionError("the piece was not sent whole")
+
+
+def receive_piece(sock: socket.socket, size: int) -> int:
+    """The next `size` bytes of `sock`, received straight into a new memfd (no copy in between:
+    a piece can be most of a node's memory); returns the memfd."""
+    fd = os.memfd_create("fsdprun-fetched", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        if size > 0:
+            with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as m:
+                with memoryview(m) as view:
+                    got = 0
+                    while got < size:
+                        n = sock.recv_into(view[got:], min(size - got, 1 << 24))
+                        if n == 0:
+                            raise ConnectionError(f"the peer keeper closed the stream after {got} of {size} bytes")
+                        got += n
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
