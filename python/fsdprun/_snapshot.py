@@ -479,6 +479,29 @@ def _fetch_remote(endpoint: str, rank: int, world: int, step: int) -> int:
         return receive_piece(sock, int(reply["bytes"]))
 
 
+def _holders(gathered: List[Any]) -> Tuple[Dict[Tuple[int, int, int], List[int]], set]:
+    """From every node's (group rank, listed pieces): the nodes holding each (rank, world, step),
+    and the worlds held. A piece of an older round at or after the first step any node holds of
+    a newer round is left out: it lies on a trajectory that round left (it resumed from before
+    it, and the steps it redid need not be the same bits), never to be mixed with the newer."""
+    first_step: Dict[int, int] = {}
+    for _, held in gathered:
+        for p in held:
+            r = p.get("round", 0)
+            first_step[r] = min(first_step.get(r, p["step"]), p["step"])
+    holders: Dict[Tuple[int, int, int], List[int]] = {}
+    worlds = set()
+    for group_rank, held in gathered:
+        for p in held:
+            if any(r > p.get("round", 0) and s <= p["step"] for r, s in first_step.items()):
+                continue
+            worlds.add(p["world"])
+            nodes = holders.setdefault((p["rank"], p["world"], p["step"]), [])
+            if group_rank not in nodes:
+                nodes.append(group_rank)
+    return holders, worlds
+
+
 def restored_from() -> str:
     """After a ``restore()`` that returned a state: "memory" (every rank's own piece from its own
     node's agent) or "peer copy" (some piece came from another node); "" before."""
@@ -504,14 +527,7 @@ def restore(replicated: bool = False) -> Optional[Tuple[int, Any]]:
     _snaps.learn_endpoints()
     gathered: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (_snaps.group_rank, pieces))
-    holders: Dict[Tuple[int, int, int], List[int]] = {}
-    worlds = set()
-    for group_rank, held in gathered:
-        for p in held:
-            worlds.add(p["world"])
-            holders.setdefault((p["rank"], p["world"], p["step"]), [])
-            if group_rank not in holders[(p["rank"], p["world"], p["step"])]:
-                holders[(p["rank"], p["world"], p["step"])].append(group_rank)
+    holders, worlds = _holders(gathered)
 
     def source(rank: int, world: int) -> int:
         return rank if rank < world else 0

@@ -134,8 +134,12 @@ struct SnapshotKeeper::Impl {
       const bool otherWorld = it->world != p.world;
       // The same rank at this step or later: another trajectory (a resume from further back).
       const bool superseded = it->rank == p.rank && it->peer == p.peer && it->step >= p.step;
+      // Any rank's piece of an older round at this step or later: this round resumed from before
+      // it, so that piece lies on the trajectory it left (redone steps need not be the same bits:
+      // nondeterministic kernels), and a restore must not mix it with this round's.
+      const bool abandoned = it->round < p.round && it->step >= p.step;
       auto next = std::next(it);
-      if (otherWorld || superseded) drop(it);
+      if (otherWorld || superseded || abandoned) drop(it);
       it = next;
     }
     const int keep = p.peer ? kKeepPeer : kKeepLocal;
@@ -240,7 +244,12 @@ struct SnapshotKeeper::Impl {
       std::scoped_lock lock(mutex);
       json list = json::array();
       for (const auto& p : pieces) {
-        list.push_back({{"rank", p.rank}, {"world", p.world}, {"step", p.step}, {"bytes", p.bytes}, {"peer", p.peer}});
+        list.push_back({{"rank", p.rank},
+                        {"world", p.world},
+                        {"step", p.step},
+                        {"round", p.round},
+                        {"bytes", p.bytes},
+                        {"peer", p.peer}});
       }
       return json{{"ok", true}, {"pieces", list}}.dump();
     }

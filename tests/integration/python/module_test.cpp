@@ -142,6 +142,27 @@ TEST_F(PythonJobs, OutsideFsdprunTheScriptRunsAloneAndEveryCallIsANoOp) {
   EXPECT_TRUE(summary["resumed_step"].is_null()) << r.out;
 }
 
+// The module's restore chooses as libfsdp's does (snapshot_choice_test.cpp): rank 0 reached step
+// 11 in round 1, rank 1 stopped at 10; round 2 resumed from 10 and rank 1 put 11 again before a
+// second failure. Rank 0's old 11 (own and peer copy) is left out, so step 11 is incomplete and
+// 10 is restored, never rank 0's old bits beside rank 1's new ones.
+TEST_F(PythonJobs, ARestoreNeverMixesAStepRedoneByANewerRoundWithTheOldPiecesOfIt) {
+  const std::string check = R"(
+from fsdprun._snapshot import _holders
+def p(rank, step, rnd, peer=False):
+    return {"rank": rank, "world": 2, "step": step, "round": rnd, "peer": peer}
+gathered = [(0, [p(0, 10, 1), p(0, 11, 1), p(1, 10, 1, True)]),
+            (1, [p(1, 10, 1), p(1, 11, 2), p(0, 10, 1, True), p(0, 11, 1, True)])]
+holders, worlds = _holders(gathered)
+assert sorted(holders) == [(0, 2, 10), (1, 2, 10), (1, 2, 11)], sorted(holders)
+assert holders[(0, 2, 10)] == [0, 1] and holders[(1, 2, 11)] == [1], holders
+print("ok")
+)";
+  const auto r = runCommand({kSystemPython, "-c", check}, 60s, {"PYTHONPATH=" + kModuleDir});
+  EXPECT_EQ(r.exitCode, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("ok"), std::string::npos) << r.out << r.err;
+}
+
 // Must-show 1 of issue 42: rank 1 SIGKILLed after a random step; the job resumes from the
 // agents' memory, at most one step redone, and ends bit-identical to the run never stopped.
 TEST_F(PythonJobs, AKilledRankResumesFromMemoryBitIdentical) {

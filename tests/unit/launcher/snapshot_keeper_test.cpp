@@ -199,6 +199,27 @@ TEST(SnapshotKeeper, AResumeFromFurtherBackDropsTheAbandonedStepsAndALateRoundIs
   EXPECT_EQ(c.list(), (std::vector<T>{{0, 1, 3, false}}));
 }
 
+// Round 1: rank 0 reached step 11, rank 1 step 10; round 2 resumed from step 10 (the newest
+// both held). Rank 1's first put of round 2, step 11, drops rank 0's step 11 of round 1: the
+// steps redone need not be the same bits, and a second failure before rank 0's own put of step
+// 11 must restore step 10, not rank 0's old 11 beside rank 1's new one. Round 1's pieces before
+// step 11 stay (both rounds went through them); so does a piece of round 2.
+TEST(SnapshotKeeper, APutOfANewerRoundDropsEveryRanksPiecesOfTheTrajectoryItLeft) {
+  SnapshotKeeper keeper(options());
+  Client c(keeper);
+  for (const auto& [rank, step] : {std::pair{0, 9}, {0, 10}, {0, 11}, {1, 9}, {1, 10}}) {
+    EXPECT_TRUE(c.put(makePiece(rank, 2, step, 4096, true, 1))["ok"].get<bool>());
+  }
+  EXPECT_TRUE(c.put(makePiece(1, 2, 11, 4096, true, 2))["ok"].get<bool>());
+  using T = std::tuple<int, int, std::int64_t, bool>;
+  EXPECT_EQ(c.list(), (std::vector<T>{{0, 2, 9, false}, {0, 2, 10, false}, {1, 2, 9, false}, {1, 2, 10, false},
+                                      {1, 2, 11, false}}));
+  const json listed = c.ask({{"op", "list"}});
+  for (const auto& p : listed["pieces"]) EXPECT_EQ(p["round"], p["step"] == 11 ? 2 : 1) << p;
+  EXPECT_TRUE(c.put(makePiece(0, 2, 11, 4096, true, 2))["ok"].get<bool>());
+  EXPECT_EQ(c.list().size(), 6u);
+}
+
 TEST(SnapshotKeeper, ThePieceThatDoesNotFitTheLimitIsRefusedNamingIt) {
   // Room for about three 64 KiB pieces.
   SnapshotKeeper keeper(options(200 * 1024));

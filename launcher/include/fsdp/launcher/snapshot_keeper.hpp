@@ -5,7 +5,9 @@
 // from the newest step every rank holds instead of the last disk checkpoint.
 //
 // What it keeps: per rank, the newest 3 local pieces of the current world size and the newest
-// 2 peer pieces; a piece of another world size goes when one of the new size arrives. In all,
+// 2 peer pieces; a piece of another world size goes when one of the new size arrives, and any
+// rank's piece of an older round at or after the step a newer round puts (that round resumed
+// from before it: the old piece lies on a trajectory it left) goes at that put. In all,
 // at most `memoryLimit` bytes: past it the oldest pieces go first, and a piece that still does
 // not fit is refused (the worker stops snapshotting and says so). Everything goes with the
 // keeper: its memfds are never named in /dev/shm.
@@ -13,7 +15,7 @@
 // Messages (JSON, one per packet) on the Unix socket:
 //   {"op":"put"} + a sealed piece  -> {"ok":true,"held":[steps of that rank still held]}
 //                                     | {"ok":false,"error":"..."}
-//   {"op":"list"}                  -> {"ok":true,"pieces":[{"rank","world","step","bytes","peer"}]}
+//   {"op":"list"}                  -> {"ok":true,"pieces":[{"rank","world","step","round","bytes","peer"}]}
 //   {"op":"get","rank","world","step"} -> {"ok":true,"peer":bool} + the piece | {"ok":false,...}
 //   {"op":"recycle","rank","world","before"} -> {"ok":true,"step"} + the rank's oldest local
 //                                     piece when its next put would drop it (it holds the

@@ -21,7 +21,7 @@ using snapshot::Fd;
 std::string holdingsText(const NodeHoldings& holdings) {
   json pieces = json::array();
   for (const auto& p : holdings.pieces)
-    pieces.push_back(json::array({p.rank, p.world, p.step, p.peer}));
+    pieces.push_back(json::array({p.rank, p.world, p.step, p.peer, p.round}));
   return json{{"endpoint", holdings.endpoint}, {"pieces", std::move(pieces)}}.dump();
 }
 
@@ -33,12 +33,12 @@ NodeHoldings parseHoldings(const std::string& text) {
     holdings.endpoint = j["endpoint"].get<std::string>();
   if (!j.contains("pieces") || !j["pieces"].is_array()) return holdings;
   for (const auto& p : j["pieces"]) {
-    if (!p.is_array() || p.size() != 4 || !p[0].is_number_integer() || !p[1].is_number_integer() ||
-        !p[2].is_number_integer() || !p[3].is_boolean()) {
+    if (!p.is_array() || p.size() != 5 || !p[0].is_number_integer() || !p[1].is_number_integer() ||
+        !p[2].is_number_integer() || !p[3].is_boolean() || !p[4].is_number_integer()) {
       continue;
     }
-    const HeldPiece piece{p[0].get<int>(), p[1].get<int>(), p[2].get<std::int64_t>(),
-                          p[3].get<bool>()};
+    const HeldPiece piece{p[0].get<int>(), p[1].get<int>(), p[2].get<std::int64_t>(), p[3].get<bool>(),
+                          p[4].get<int>()};
     if (piece.world < 1 || piece.rank < 0 || piece.rank >= piece.world || piece.step < 0) continue;
     holdings.pieces.push_back(piece);
   }
@@ -58,6 +58,24 @@ std::string rankList(const std::vector<int>& ranks) {
 }
 
 }  // namespace
+
+void dropAbandoned(std::vector<NodeHoldings>& nodes) {
+  std::map<int, std::int64_t> firstStep;  // round -> the earliest step any node holds of it
+  for (const auto& node : nodes) {
+    for (const auto& p : node.pieces) {
+      const auto [it, added] = firstStep.try_emplace(p.round, p.step);
+      if (!added) it->second = std::min(it->second, p.step);
+    }
+  }
+  for (auto& node : nodes) {
+    std::erase_if(node.pieces, [&](const HeldPiece& p) {
+      for (auto it = firstStep.upper_bound(p.round); it != firstStep.end(); ++it) {
+        if (it->second <= p.step) return true;
+      }
+      return false;
+    });
+  }
+}
 
 SnapshotChoice chooseSnapshot(const std::vector<NodeHoldings>& nodes, int currentWorld) {
   // (world, step) -> the ranks some node holds there. Ranks are in [0, world) (parseHoldings).
@@ -136,8 +154,8 @@ std::vector<NodeHoldings> gatherHoldings(const KeeperLink& link) {
     try {
       const json list = link.ask({{"op", "list"}}, nullptr);
       for (const auto& p : list.at("pieces")) {
-        mine.pieces.push_back({p.at("rank").get<int>(), p.at("world").get<int>(),
-                               p.at("step").get<std::int64_t>(), p.value("peer", false)});
+        mine.pieces.push_back({p.at("rank").get<int>(), p.at("world").get<int>(), p.at("step").get<std::int64_t>(),
+                               p.value("peer", false), p.value("round", 0)});
       }
     } catch (const std::exception& e) {
       log::warn("rank {}: cannot list the agent's snapshots ({}): this node offers none", rt.rank(),
@@ -199,7 +217,8 @@ std::optional<Restored> restoreFromKeepers(const KeeperLink& link, FullyShardedD
   Runtime& rt = link.runtime;
   const int rank = rt.rank();
   const int world = rt.worldSize();
-  const std::vector<NodeHoldings> nodes = gatherHoldings(link);
+  std::vector<NodeHoldings> nodes = gatherHoldings(link);
+  dropAbandoned(nodes);
   const SnapshotChoice choice = chooseSnapshot(nodes, world);
   // This rank's state either lies in the chosen snapshot's memory already (a survivor of a
   // re-formation, the same rank of the same world) or moves out of the memory the keeper holds

@@ -27,17 +27,18 @@ class Runtime;
 
 namespace fsdp::worker::detail {
 
-// A piece a keeper holds: rank `rank` of world `world` at `step`; `peer`: a copy of another
-// node's rank.
+// A piece a keeper holds: rank `rank` of world `world` at `step`, put in rendezvous round
+// `round`; `peer`: a copy of another node's rank.
 struct HeldPiece {
   int rank = 0;
   int world = 0;
   std::int64_t step = 0;
   bool peer = false;
+  int round = 0;
 };
 
 // What one node's keeper holds, as its local rank 0 publishes it in the store:
-// {"endpoint": "host:port", "pieces": [[rank, world, step, peer], ...]}.
+// {"endpoint": "host:port", "pieces": [[rank, world, step, peer, round], ...]}.
 struct NodeHoldings {
   std::string endpoint;  // its keeper's TCP side; "" when unknown
   std::vector<HeldPiece> pieces;
@@ -46,6 +47,13 @@ std::string holdingsText(const NodeHoldings& holdings);
 // The holdings a text describes; malformed entries are left out (every rank reads the same text
 // and so leaves out the same).
 NodeHoldings parseHoldings(const std::string& text);
+
+// Leaves out the pieces of a trajectory a later round left: a piece is abandoned when some node
+// holds a piece of a newer round at its step or before it (that round resumed from before it;
+// the steps it redid need not be the same bits, with nondeterministic kernels). A keeper drops
+// such pieces of its own at the newer round's put; this covers the other nodes' keepers, so
+// that what is left at any step is of one round and a restore never mixes two trajectories.
+void dropAbandoned(std::vector<NodeHoldings>& nodes);
 
 // The snapshot to restore: the newest (step, world) whose every rank [0, world) at least one
 // node holds; on a tie of steps, `currentWorld` first (no reshard), then the larger world.
