@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cerrno>
 #include <filesystem>
@@ -392,6 +393,120 @@ Observed runJob(const Launch& launch, const RunDir& dir, Kill kill, KillAt at,
     }
   }
   return seen;
+}
+
+// ---- figures (the metrics lines read back) ------------------------------------------------
+
+double median(std::vector<double> v) { return v.empty() ? -1 : percentile(v, 0.5); }
+
+double stepMs(const std::vector<nlohmann::json>& lines) {
+  std::vector<double> ms;
+  int sinceStart = 0;
+  for (const auto& l : lines) {
+    const auto type = l.value("type", "");
+    if (type == "resume") sinceStart = 0;
+    if (type == "train" && ++sinceStart > kWarmupSteps) ms.push_back(l.value("step_time_ms", 0.0));
+  }
+  return median(ms);
+}
+
+void killFigures(const Observed& seen, nlohmann::json& line) {
+  const double killTime = *seen.killUnixTime;
+  long long before = 0;  // the last step completed before the kill
+  std::optional<std::size_t> resume;
+  for (std::size_t i = 0; i < seen.lines.size(); ++i) {
+    const auto& l = seen.lines[i];
+    const double t = l.value("unix_time", 0.0);
+    if (l.value("type", "") == "train" && t <= killTime) {
+      before = std::max(before, l.value("step", 0LL));
+    }
+    if (!resume && l.value("type", "") == "resume" && t > killTime) resume = i;
+  }
+  line["step_ms"] = stepMs(seen.lines);
+  // The ranks that were not killed: how many kept their processes through the recovery.
+  if (seen.ranksStillRunning) {
+    int survivors = 0, kept = 0;
+    for (const auto& [rank, pid] : seen.pidsAtKill) {
+      if (rank == line.value("kill_rank_of_worker", -1)) continue;
+      ++survivors;
+      kept += seen.ranksStillRunning->contains(rank) ? 1 : 0;
+    }
+    line["survivors"] = survivors;
+    line["survivors_kept_pid"] = kept;
+  }
+  if (!resume) {
+    line["kill_step"] = before;
+    line["error"] = "no resume line after the kill in the metrics file";
+    return;
+  }
+  const auto& r = seen.lines[*resume];
+  const long long resumed = r.value("step", 0LL);
+  // Rank 0 stamps a train line after the step's metrics are reduced, so on a loaded machine the
+  // line of a step every rank had finished (and snapshotted) can bear a time after the kill. A
+  // resume from step R proves every rank had finished R before the kill: that bounds it too.
+  before = std::max(before, resumed);
+  line["kill_step"] = before;
+  line["resumed_step"] = resumed;
+  line["steps_redone"] = before - resumed;
+  line["source"] = r.value("source", "");
+  line["restore_ms"] = r.value("restore_ms", 0.0);
+  // Of kill -> restored, the part inside the new worker process (its start-up and the restore).
+  if (r.contains("process_age_s")) line["restored_at_process_age_s"] = r["process_age_s"];
+  line["kill_to_restored_s"] = r.value("unix_time", 0.0) - killTime;
+  if (r.contains("path")) line["recovery_path"] = r["path"];  // rank 0's: in_process or process
+  // The durations of the first steps after the resume (ms): a replacement's first steps fault
+  // its memory in and make its next snapshots' buffers, which the overhead does not count.
+  nlohmann::json after = nlohmann::json::array();
+  double previous = r.value("unix_time", 0.0);
+  for (std::size_t i = *resume + 1; i < seen.lines.size() && after.size() < 5; ++i) {
+    const auto& l = seen.lines[i];
+    if (l.value("type", "") != "train") continue;
+    after.push_back(std::round(1000.0 * (l.value("unix_time", 0.0) - previous)));
+    previous = l.value("unix_time", 0.0);
+  }
+  line["steps_after_ms"] = std::move(after);
+  for (std::size_t i = *resume + 1; i < seen.lines.size(); ++i) {
+    const auto& l = seen.lines[i];
+    if (l.value("type", "") != "train") continue;
+    if (!line.contains("kill_to_first_step_s")) {
+      line["kill_to_first_step_s"] = l.value("unix_time", 0.0) - killTime;
+      // What the failure cost beyond the step it interrupted: kill -> first new step, less one
+      // median step.
+      const double stepS = line.value("step_ms", 0.0) / 1000.0;
+      line["recovery_overhead_s"] = line["kill_to_first_step_s"].get<double>() - stepS;
+    }
+    // Back where the job was: the first step beyond the last one completed before the kill.
+    if (l.value("step", 0LL) > before) {
+      line["kill_to_caught_up_s"] = l.value("unix_time", 0.0) - killTime;
+      break;
+    }
+  }
+}
+
+void nodeFigures(bool agentHosts, int worldAfter, Observed& seen, nlohmann::json& line) {
+  if (seen.killedLauncher) line["killed_launcher"] = *seen.killedLauncher;
+  long long last = 0;
+  for (const auto& l : seen.lines) {
+    if (l.value("type", "") == "train") last = std::max(last, l.value("step", 0LL));
+  }
+  line["metrics_last_step"] = last;
+  if (seen.summary.contains("world_size")) {
+    line["world_size_after"] = seen.summary["world_size"];
+    if (seen.summary.contains("resumed_source")) {
+      line["resumed_source"] = seen.summary["resumed_source"];
+    }
+  }
+  if (!seen.error.empty() || !seen.killUnixTime) return;
+  if (!seen.summary.contains("world_size")) {
+    seen.error = "no launcher printed rank 0's summary line";
+  } else if (seen.summary["world_size"] != worldAfter) {
+    seen.error = "world size " + seen.summary["world_size"].dump() +
+                 " after the resume, expected " + std::to_string(worldAfter);
+  } else if (agentHosts && seen.killedLauncher != 0u) {
+    seen.error = "the agent of RANK=0 was launcher " +
+                 (seen.killedLauncher ? std::to_string(*seen.killedLauncher) : "none") +
+                 ", not the rendezvous host (launcher 0)";
+  }
 }
 
 }  // namespace fsdp::bench::recovery_job

@@ -149,4 +149,22 @@ inline std::pair<double, double> stepCost(const Observed& seen) {
   return {times.empty() ? 0.0 : percentile(times, 0.5), perStep};
 }
 
+// ---- figures (recovery_job.cpp) ---------------------------------------------------------
+
+// Steps left out of the step-time medians after each start and resume, and never a kill step.
+inline constexpr int kWarmupSteps = 3;
+// The median of `v`; -1 when empty.
+double median(std::vector<double> v);
+// Median step time of the train lines, each attempt's first kWarmupSteps left out (those
+// before the first line and those after each resume line).
+double stepMs(const std::vector<nlohmann::json>& lines);
+// Fills the figures of a kill from the metrics lines: steps redone, kill -> restored, -> first
+// step, -> caught up, the recovery overhead, the first steps' durations after the resume.
+void killFigures(const Observed& seen, nlohmann::json& line);
+// Fills what a job of more than two nodes shows besides the kill figures: the world size rank 0
+// reported at the end, the launcher killed, the last step in the metrics file (the new rank 0
+// appends to it). A world size other than expected, or (agentHosts) a kill of another agent than
+// the rendezvous host, is an error of the line.
+void nodeFigures(bool agentHosts, int worldAfter, Observed& seen, nlohmann::json& line);
+
 }  // namespace fsdp::bench::recovery_job
