@@ -136,31 +136,49 @@ struct Snapshotter::Impl {
     return json::parse(answer->first);
   }
 
-  // A process without snapshot memory yet (a replacement) that restored `step` takes back the
-  // piece of its rank that the keeper drops at its next put anyway: its memory is what that next
-  // snapshot needs (no new memory to fault in on the first step after a restore). Best effort.
-  void takeBackDroppedPiece(std::int64_t step) {
-    if (memory.ownsMemory()) return;
+  // After a replacement's restore of step `recycleBefore` (-1: none, a process with memory of
+  // its own, or the keeper had no more to spare), a snapshot that needs a buffer this process
+  // does not have takes back instead the piece of its rank that the keeper drops at its next put
+  // anyway (the oldest it holds, older than that step: the dead process's, never this one's):
+  // memory whose pages exist already (mapping them again costs ~120 ms for DeepNet's 564 MB
+  // here, a new buffer ~410 ms, on the training thread in step()).
+  std::int64_t recycleBefore = -1;
+
+  // The keeper's piece of this rank that its next put drops anyway, mapped writable as a free
+  // buffer; null when it has none to spare (then recycleBefore stops the asking) or it cannot be
+  // written (sealed). Best effort.
+  std::shared_ptr<Buffer> takeBackDroppedPiece() {
+    if (recycleBefore < 0) return nullptr;
     try {
       Fd fd;
       const json answer = ask({{"op", "recycle"}, {"rank", runtime.rank()}, {"world", runtime.worldSize()},
-                               {"before", step}}, -1, &fd);
-      if (!answer.value("ok", false) || !fd) return;
-      const auto b = memory.takeBack(std::move(fd));
-      if (!b) return;  // sealed against writes: not reusable
-      // Its pages made writable while the first step's forward and backward run (the step writes
-      // all of them; a few calls cost less than a fault per page); step() waits for this. In
-      // 64 MB pieces: each call holds the address space's lock, which the training thread's
-      // allocations wait for.
-      worker.run([b] {
-        constexpr std::uint64_t kChunk = 64ULL << 20;
-        for (std::uint64_t at = 0; at < b->bytes; at += kChunk) {
-          ::madvise(b->map + at, std::min(kChunk, b->bytes - at), MADV_POPULATE_WRITE);
-        }
-      });
+                               {"before", recycleBefore}}, -1, &fd);
+      if (answer.value("ok", false) && fd) {
+        if (auto b = memory.takeBack(std::move(fd))) return b;
+      }
     } catch (const std::exception& e) {
       log::debug("rank {}: no snapshot memory taken back from the keeper: {}", runtime.rank(), e.what());
     }
+    recycleBefore = -1;
+    return nullptr;
+  }
+
+  // Makes a taken-back buffer's pages writable: a few calls cost less than a fault per page. In
+  // 64 MB pieces: each call holds the address space's lock, which other threads' allocations wait for.
+  static void populate(const Buffer& b) {
+    constexpr std::uint64_t kChunk = 64ULL << 20;
+    for (std::uint64_t at = 0; at < b.bytes; at += kChunk) {
+      ::madvise(b.map + at, std::min(kChunk, b.bytes - at), MADV_POPULATE_WRITE);
+    }
+  }
+
+  // A buffer of `bytes` for the next snapshot: a free one, else one taken back from the keeper
+  // (populated here), else a new one.
+  std::shared_ptr<Buffer> bufferFor(std::uint64_t bytes, const std::string& name) {
+    if (!memory.hasFree(bytes)) {
+      if (const auto b = takeBackDroppedPiece()) populate(*b);
+    }
+    return memory.bufferFor(bytes, name);
   }
 
   // Lays a zero-copy snapshot out in `buffer` when the plan's shards and optimizer state already
@@ -242,7 +260,7 @@ struct Snapshotter::Impl {
     }
     headerReserve = alignUp(headerReserve, 4096);
     const std::uint64_t dataOffset = snapshot::dataOffsetFor(headerReserve);
-    const auto buffer = memory.bufferFor(dataOffset + cursor, pieceName(-1));
+    const auto buffer = bufferFor(dataOffset + cursor, pieceName(-1));
     buffer->headerReserve = headerReserve;
     buffer->smallBytes = small;
     const auto place = [&](const at::Tensor& p, const char* what) {
@@ -281,7 +299,7 @@ struct Snapshotter::Impl {
         blocks.push_back(blockJson(b));
       }
       header = headerText(headerBase, std::move(blocks), meta);
-      buffer = memory.bufferFor(snapshot::dataOffsetFor(header.size()) + offset, pieceName(step));
+      buffer = bufferFor(snapshot::dataOffsetFor(header.size()) + offset, pieceName(step));
     }
     const std::uint64_t dataOffset = snapshot::dataOffsetFor(header.size());
     const std::uint64_t total = buffer->bytes;
@@ -458,7 +476,13 @@ std::optional<TrainingProgress> Snapshotter::restore(FullyShardedDataParallel& m
                d.memory.live->step);
   }
   if (!restored) return std::nullopt;
-  d.takeBackDroppedPiece(restored->progress.step);
+  // A process without snapshot memory of its own (a replacement) takes the first piece back now
+  // and makes its pages writable on the snapshot thread while the first step's forward and
+  // backward run (step() waits for it); its next snapshots take theirs back as they need them.
+  // Never a process with memory of its own: the keeper's pieces before `step` are its own
+  // buffers, which a second mapping would let two snapshots write at once.
+  d.recycleBefore = d.memory.ownsMemory() ? -1 : restored->progress.step;
+  if (const auto b = d.takeBackDroppedPiece()) d.worker.run([b] { Impl::populate(*b); });
   d.restoredFrom = std::move(restored->source);
   return std::move(restored->progress);
 }

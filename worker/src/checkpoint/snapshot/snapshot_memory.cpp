@@ -25,6 +25,12 @@ bool SnapshotMemory::ownsMemory() const {
   return std::any_of(buffers.begin(), buffers.end(), [](const auto& b) { return !b->adopted; });
 }
 
+bool SnapshotMemory::hasFree(std::uint64_t bytes) const {
+  return std::any_of(buffers.begin(), buffers.end(), [bytes](const auto& b) {
+    return b->step < 0 && b.use_count() == 1 && b->bytes == bytes && !b->adopted;
+  });
+}
+
 std::shared_ptr<Buffer> SnapshotMemory::bufferFor(std::uint64_t bytes, const std::string& name) {
   for (auto it = buffers.begin(); it != buffers.end();) {
     if ((*it)->step >= 0 || it->use_count() > 1) {

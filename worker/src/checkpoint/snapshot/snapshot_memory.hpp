@@ -87,6 +87,8 @@ struct SnapshotMemory {
 
   // Whether this process wrote snapshot memory of its own (else it holds mapped pieces at most).
   bool ownsMemory() const;
+  // Whether bufferFor(bytes) would find a free buffer rather than make one.
+  bool hasFree(std::uint64_t bytes) const;
   // A free buffer of `bytes`, or a new one named `name` (mapped and faulted in once, its size sealed).
   std::shared_ptr<Buffer> bufferFor(std::uint64_t bytes, const std::string& name);
   // A piece the keeper handed back for reuse, mapped writable and kept; null where it cannot be
