@@ -19,6 +19,12 @@ void moveOutOf(const std::shared_ptr<Buffer>& b, FullyShardedDataParallel& model
   });
 }
 
+// Whether nothing holds `b`: the keeper let its step go and no tensor lies in it.
+bool unheld(const std::shared_ptr<Buffer>& b) { return b->step < 0 && b.use_count() == 1; }
+
+// Whether `b` can take the next snapshot of `bytes`.
+bool writableFor(const Buffer& b, std::uint64_t bytes) { return b.bytes == bytes && !b.adopted; }
+
 }  // namespace
 
 bool SnapshotMemory::ownsMemory() const {
@@ -26,16 +32,15 @@ bool SnapshotMemory::ownsMemory() const {
 }
 
 bool SnapshotMemory::hasFree(std::uint64_t bytes) const {
-  return std::any_of(buffers.begin(), buffers.end(), [bytes](const auto& b) {
-    return b->step < 0 && b.use_count() == 1 && b->bytes == bytes && !b->adopted;
-  });
+  return std::any_of(buffers.begin(), buffers.end(),
+                     [bytes](const auto& b) { return unheld(b) && writableFor(*b, bytes); });
 }
 
 std::shared_ptr<Buffer> SnapshotMemory::bufferFor(std::uint64_t bytes, const std::string& name) {
   for (auto it = buffers.begin(); it != buffers.end();) {
-    if ((*it)->step >= 0 || it->use_count() > 1) {
+    if (!unheld(*it)) {
       ++it;
-    } else if ((*it)->bytes == bytes && !(*it)->adopted) {
+    } else if (writableFor(**it, bytes)) {
       return *it;
     } else {
       it = buffers.erase(it);  // another layout (its size will not come back), or a mapped piece
