@@ -1,7 +1,7 @@
 #pragma once
 // The seam between the NCCL communicator and CUDA/NCCL: the handful of runtime and NCCL calls it
 // makes, behind one interface, so that its logic (streams, locks, failures, shutdown) runs in
-// CPU tests over a fake (tests/unit/worker/fake_nccl_api.hpp). Nothing here includes CUDA: the
+// CPU tests over a fake (tests/unit/worker/nccl/fake_nccl_api.hpp). Nothing here includes CUDA: the
 // handles are opaque, and only nccl_cuda_api.cpp knows cudart and nccl.h.
 //
 // Thread-safety: every call may come from any thread (as cudart and NCCL allow: one
