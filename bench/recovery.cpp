@@ -104,14 +104,21 @@ Observed runOurs(const std::string& model, const Config& c, const Layout& layout
   const std::string fsdprun = binDir() + "/fsdprun";
   // More processes than cores from three agents on: their steps are slower.
   const auto limit = std::chrono::seconds(120 + 2 * c.steps * std::max(2, layout.agents));
-  // A job that failed, or did not resume after its kill, leaves its folder to be read.
+  // A job that failed, did not resume after its kill, or (auto) restarted a survivor, leaves its
+  // folder to be read.
   const auto run = [&] {
     Observed seen = runJob(launch, dir, kill, at, limit);
     const double killTime = seen.killUnixTime.value_or(0);
     const bool resumed = std::any_of(seen.lines.begin(), seen.lines.end(), [&](const auto& l) {
       return l.value("type", "") == "resume" && l.value("unix_time", 0.0) > killTime;
     });
-    if (!seen.finished || (seen.killUnixTime && !resumed)) {
+    // In auto mode, a survivor that did not keep its process: the agents' logs say why.
+    const bool survivorRestarted =
+        mode == "auto" && seen.ranksStillRunning &&
+        std::any_of(seen.pidsAtKill.begin(), seen.pidsAtKill.end(), [&](const auto& rankPid) {
+          return rankPid.first != at.rank && !seen.ranksStillRunning->contains(rankPid.first);
+        });
+    if (!seen.finished || (seen.killUnixTime && !resumed) || survivorRestarted) {
       dir.keep();
       seen.logDir = dir.path();
     }
@@ -328,7 +335,8 @@ void recovery(const Args& args) {
                      {"kill", k.kill == Kill::kAgent ? "agent" : "worker"},
                      {"kill_rank_of_worker", k.rank},
                      {"snapshot_every", 1},
-                     {"standby", c.standby}});
+                     {"standby", c.standby},
+                     {"world_changes", k.worldAfter != k.layout.worldSize()}});
         if (k.layout.agents > 2) {
           line.update({{"case", k.name},
                        {"nnodes", k.layout.nnodes},

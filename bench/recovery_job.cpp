@@ -399,10 +399,11 @@ Observed runJob(const Launch& launch, const RunDir& dir, Kill kill, KillAt at,
 
 double median(std::vector<double> v) { return v.empty() ? -1 : percentile(v, 0.5); }
 
-double stepMs(const std::vector<nlohmann::json>& lines) {
+double stepMs(const std::vector<nlohmann::json>& lines, std::size_t from) {
   std::vector<double> ms;
   int sinceStart = 0;
-  for (const auto& l : lines) {
+  for (std::size_t i = from; i < lines.size(); ++i) {
+    const auto& l = lines[i];
     const auto type = l.value("type", "");
     if (type == "resume") sinceStart = 0;
     if (type == "train" && ++sinceStart > kWarmupSteps) ms.push_back(l.value("step_time_ms", 0.0));
@@ -465,14 +466,19 @@ void killFigures(const Observed& seen, nlohmann::json& line) {
     previous = l.value("unix_time", 0.0);
   }
   line["steps_after_ms"] = std::move(after);
+  // The median step after the resume (its first kWarmupSteps left out), where there is one.
+  if (const double ms = stepMs(seen.lines, *resume); ms > 0) line["step_ms_after"] = ms;
   for (std::size_t i = *resume + 1; i < seen.lines.size(); ++i) {
     const auto& l = seen.lines[i];
     if (l.value("type", "") != "train") continue;
     if (!line.contains("kill_to_first_step_s")) {
       line["kill_to_first_step_s"] = l.value("unix_time", 0.0) - killTime;
       // What the failure cost beyond the step it interrupted: kill -> first new step, less one
-      // median step.
-      const double stepS = line.value("step_ms", 0.0) / 1000.0;
+      // median step; of the world that resumed where it is not the one killed (a world without
+      // the lost node steps slower). Else of the whole run: the steps right after a resume are
+      // slower while new processes make their snapshot buffers.
+      const bool worldChanges = line.value("world_changes", false) && line.contains("step_ms_after");
+      const double stepS = line.value(worldChanges ? "step_ms_after" : "step_ms", 0.0) / 1000.0;
       line["recovery_overhead_s"] = line["kill_to_first_step_s"].get<double>() - stepS;
     }
     // Back where the job was: the first step beyond the last one completed before the kill.

@@ -155,9 +155,9 @@ inline std::pair<double, double> stepCost(const Observed& seen) {
 inline constexpr int kWarmupSteps = 3;
 // The median of `v`; -1 when empty.
 double median(std::vector<double> v);
-// Median step time of the train lines, each attempt's first kWarmupSteps left out (those
-// before the first line and those after each resume line).
-double stepMs(const std::vector<nlohmann::json>& lines);
+// Median step time of the train lines from index `from` on, each attempt's first kWarmupSteps
+// left out (those before the first line and those after each resume line); -1 when none.
+double stepMs(const std::vector<nlohmann::json>& lines, std::size_t from = 0);
 // Fills the figures of a kill from the metrics lines: steps redone, kill -> restored, -> first
 // step, -> caught up, the recovery overhead, the first steps' durations after the resume.
 void killFigures(const Observed& seen, nlohmann::json& line);
