@@ -3,7 +3,8 @@
 // the parameters of an uninterrupted run, in both modes, and in auto mode ranks 0 and 2 keep
 // their processes (their pids are read before the kill and after the re-formation); a second
 // kill while the survivors re-form falls back to process restarts; a hang kills the stuck rank
-// only. Every wait is on an event (a metrics line, a log line, a process), bounded.
+// only; a stopped survivor restarts as a process, and one stopped while re-forming is the rank
+// the hang report names. Every wait is on an event (a metrics line, a log line, a process), bounded.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <unistd.h>
@@ -243,6 +244,68 @@ TEST_F(Reform, ASecondKillDuringTheReformationFallsBackToProcessRestartsAndTheJo
   ASSERT_EQ(r.exitCode, 0) << r.err;
   EXPECT_EQ(summaryOf(r.out).value("params_sha256", ""), reference_) << r.out;
   EXPECT_EQ(summaryOf(r.out).value("steps", 0), kSteps);
+}
+
+// A survivor stopped (SIGSTOP) while the others re-form: the round waits for it until the hang
+// timeout, and the report names it, not the ranks waiting for it (whose earlier rounds' records
+// once hid where it was); its error file is written though it has no folder of this attempt.
+TEST_F(Reform, ASurvivorStoppedWhileReformingIsTheRankTheHangReportNames) {
+  TempDir dir;
+  const std::string runId = "reform-stopped-" + std::to_string(::getpid());
+  const std::string tag = "FSDP_REFORM_TAG=" + runId;
+  const std::string metrics = dir.path() + "/m.jsonl";
+  auto argv = job("auto", runId, metrics);
+  argv.insert(argv.begin() + 1, {"--hang_timeout", "3"});
+  auto proc = start(argv, tag, dir);
+  ASSERT_TRUE(waitFor(proc, [&] { return newestStep(metrics) >= 10; })) << readFile(dir.path() + "/err");
+  const auto before = workersByRank(tag);
+  ASSERT_EQ(before.size(), 3u);
+  ::kill(before.at(1), SIGKILL);
+  ASSERT_TRUE(waitFor(proc, [&] {
+    return readFile(dir.path() + "/err").find("rank 2: the step in progress is dropped") != std::string::npos;
+  })) << readFile(dir.path() + "/err");
+  ::kill(before.at(2), SIGSTOP);  // re-forming: before or after it joined the new round
+  const auto r = finish(proc, dir);
+  ::kill(before.at(2), SIGCONT);
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_NE(r.err.find("the job is hung"), std::string::npos) << r.err;
+  // Named as stopped (its state), and where the records tell, as the one the others wait for.
+  EXPECT_NE(r.err.find("rank 2 is stopped (SIGSTOP or SIGTSTP)"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("the transport itself is stuck"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("rank(s) 2 failed or are stuck"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("could not write the hang report"), std::string::npos) << r.err;
+  EXPECT_EQ(summaryOf(r.out).value("params_sha256", ""), reference_) << r.out;
+  EXPECT_EQ(summaryOf(r.out).value("steps", 0), kSteps);
+}
+
+// A survivor already stopped when a peer fails cannot take the abort notice: it starts again as
+// a process (one line says why), the others re-form in process, and nothing waits for a hang.
+TEST_F(Reform, AStoppedSurvivorRestartsAsAProcessAndTheOthersReformInProcess) {
+  TempDir dir;
+  const std::string runId = "reform-frozen-" + std::to_string(::getpid());
+  const std::string tag = "FSDP_REFORM_TAG=" + runId;
+  const std::string metrics = dir.path() + "/m.jsonl";
+  auto proc = start(job("auto", runId, metrics), tag, dir);
+  ASSERT_TRUE(waitFor(proc, [&] { return newestStep(metrics) >= 10; })) << readFile(dir.path() + "/err");
+  const auto before = workersByRank(tag);
+  ASSERT_EQ(before.size(), 3u);
+  ::kill(before.at(2), SIGSTOP);
+  // The agent has seen it stop (its warning), then rank 1 goes.
+  ASSERT_TRUE(waitFor(proc, [&] {
+    return readFile(dir.path() + "/err").find("was stopped by SIGSTOP") != std::string::npos;
+  })) << readFile(dir.path() + "/err");
+  ::kill(before.at(1), SIGKILL);
+  const auto r = finish(proc, dir);
+  ::kill(before.at(2), SIGCONT);
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_NE(r.err.find("rank(s) 2 restart as processes: stopped"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("rank(s) 0 re-form in process; 2 worker(s) start as new processes"), std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.err.find("the job is hung"), std::string::npos) << r.err;
+  EXPECT_EQ(summaryOf(r.out).value("params_sha256", ""), reference_) << r.out;
+  const auto resume = resumeLine(metrics);
+  ASSERT_TRUE(resume.has_value());
+  EXPECT_EQ(resume->value("path", ""), "in_process");
 }
 
 // Must-show 4: a hang declared kills the stuck rank only; the others re-form in process.

@@ -16,6 +16,7 @@
 
 #include "agent_state.hpp"
 #include "fsdp/common/error.hpp"
+#include "fsdp/common/flight_ring.hpp"
 #include "fsdp/common/log.hpp"
 #include "fsdp/common/process.hpp"
 #include "fsdp/common/shm.hpp"
@@ -103,6 +104,8 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
                                      .localRanksFilter = options_.localRanksFilter};
   auto specs = workerSpecs(a, attemptDir);
   std::unique_ptr<detail::WorkerGroup> standing;
+  // Before the kept workers get the round: a ring attached earlier has not re-formed into it.
+  const std::int64_t roundStartNs = flight::nowNs();
   const std::size_t keptNow = kept_ ? keptRanks_.size() : 0;
   if (kept_) standing = reformKept(a, specs, attemptDir);
   if (metrics_ && a.restartCount > 0) {
@@ -126,7 +129,7 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
   }
   detail::WorkerGroup& group = *standing;
   auto watchdog = detail::startHangWatchdog(options_, a, group,
-                                            {node_, storeHost_, storePort_, options_.rdzvId, token_});
+                                            {node_, storeHost_, storePort_, options_.rdzvId, token_}, roundStartNs);
   int failedWorkers = 0;
   if (metrics_) {
     metrics_->setNode(node_);

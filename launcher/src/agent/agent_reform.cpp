@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <string>
 
+#include "../hang/stacks.hpp"
 #include "agent_state.hpp"
 #include "fsdp/common/log.hpp"
 
@@ -25,17 +26,28 @@ std::set<int> Agent::keepSurvivors(WorkerGroup& group, const std::string& why, c
   if (!reformMode() || restarts_ >= options_.maxRestarts) return {};
   std::set<int> keep = group.reformable();
   for (int r : stuck) keep.erase(r);
+  // A stopped process (SIGSTOP, SIGTSTP) cannot take the notice: the new round would wait for it
+  // until the hang timeout. It starts again, as every worker would in process mode.
+  std::set<int> stopped;
+  for (const auto& w : group.watched()) {
+    if (keep.contains(w.localRank) && processState(w.pid) == 'T') stopped.insert(w.localRank);
+  }
+  for (int r : stopped) keep.erase(r);
   const int offset = last_ ? last_->rankOffset : 0;
   // What cannot survive in process says why, one line for them all.
   std::set<int> others;
   for (int r : group.runningLocalRanks()) {
-    if (!keep.contains(r) && !stuck.contains(r)) others.insert(r);
+    if (!keep.contains(r) && !stuck.contains(r) && !stopped.contains(r)) others.insert(r);
   }
   if (!keep.empty()) {
     group.notifyAbort(keep, why);
     log::info("rank(s) {} keep their processes and re-form in process", rankList(keep, offset));
   }
   if (!stuck.empty()) log::warn("rank(s) {} failed or are stuck: they start again as processes", rankList(stuck, offset));
+  if (!stopped.empty()) {
+    log::warn("rank(s) {} restart as processes: stopped (SIGSTOP or SIGTSTP), they cannot re-form in process",
+              rankList(stopped, offset));
+  }
   if (!others.empty()) {
     log::warn("rank(s) {} restart as processes: not in a training loop that re-forms in process (a program without "
               "libfsdp's Trainer or ReformScope, a PyTorch script, a model the runtime cannot rebuild (HYBRID_SHARD), no "

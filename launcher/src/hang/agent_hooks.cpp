@@ -2,6 +2,7 @@
 #include "agent_hooks.hpp"
 
 #include <ctime>
+#include <filesystem>
 #include <fstream>
 #include <future>
 #include <nlohmann/json.hpp>
@@ -21,11 +22,13 @@ constexpr double kSurvivorStacksAfterSeconds = 10;
 }  // namespace
 
 std::unique_ptr<HangWatchdog> startHangWatchdog(const LaunchOptions& options, const rendezvous::Assignment& a,
-                                                const WorkerGroup& group, const StoreContact& store) {
+                                                const WorkerGroup& group, const StoreContact& store,
+                                                std::int64_t roundStartNs) {
   if (options.hangTimeout && options.hangTimeout->count() == 0) return nullptr;  // --hang_timeout 0
   try {
     return std::make_unique<HangWatchdog>(WatchdogOptions{.timeout = options.hangTimeout,
                                                           .round = a.round,
+                                                          .roundStartNs = roundStartNs,
                                                           .nodeRank = a.nodeRank,
                                                           .nnodes = a.nnodes,
                                                           .worldSize = a.worldSize,
@@ -55,7 +58,11 @@ Failure hangFailure(const HangReport& report, int restartCount, const WorkerGrou
     // Where torchrun users look: the lagging rank's error file, in its format.
     const auto error = torchrunError(report.text, {{"hang", nlohmann::json::parse(report.viewsJson, nullptr, false)}},
                                      static_cast<long long>(::time(nullptr)));
-    const std::string path = attemptDir + "/" + std::to_string(w.localRank) + "/error.json";
+    const std::string dir = attemptDir + "/" + std::to_string(w.localRank);
+    // A worker kept from an earlier round (re-formed in process) has no folder of this attempt yet.
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    const std::string path = dir + "/error.json";
     std::ofstream out(path);
     out << error.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
     if (!out) log::warn("could not write the hang report to {}", path);

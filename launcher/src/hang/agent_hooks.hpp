@@ -25,8 +25,10 @@ struct StoreContact {
 };
 
 // nullptr with --hang_timeout 0, or (after a warning) when the store cannot be reached.
+// `roundStartNs`: when the agent began the round (WatchdogOptions::roundStartNs).
 std::unique_ptr<HangWatchdog> startHangWatchdog(const LaunchOptions& options, const rendezvous::Assignment& a,
-                                                const WorkerGroup& group, const StoreContact& store);
+                                                const WorkerGroup& group, const StoreContact& store,
+                                                std::int64_t roundStartNs);
 
 // The failure a hang makes: the first lagging rank, the report. Writes the report into that
 // rank's error file (attemptDir/<local_rank>/error.json, torchrun's format) when it is local.

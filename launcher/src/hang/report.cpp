@@ -72,7 +72,7 @@ std::string rankViewsToJson(const std::vector<RankView>& views) {
   for (const auto& v : views) {
     json records = json::array();
     for (const auto& r : v.records) records.push_back(recordToJson(r));
-    out.push_back({{"rank", v.rank}, {"host", v.host}, {"pid", v.pid}, {"attached", v.ringAttached},
+    out.push_back({{"rank", v.rank}, {"host", v.host}, {"pid", v.pid}, {"attached", v.ringAttached}, {"joined", v.joined}, {"stopped", v.stopped},
                    {"ring_error", v.ringError}, {"attached_ns", v.attachedNs}, {"completed_ns", v.lastCompletedNs},
                    {"progress", {{"count", v.progress.count}, {"step", v.progress.step}, {"ns", v.progress.lastNs},
                                  {"gap", v.progress.longestGapNs}, {"what", v.progress.what},
@@ -93,6 +93,8 @@ std::vector<RankView> rankViewsFromJson(const std::string& text) {
       v.host = j.at("host").get<std::string>();
       v.pid = j.at("pid").get<long>();
       v.ringAttached = j.at("attached").get<bool>();
+      v.joined = j.value("joined", true);
+      v.stopped = j.value("stopped", false);
       v.ringError = j.at("ring_error").get<std::string>();
       v.attachedNs = j.at("attached_ns").get<std::int64_t>();
       v.lastCompletedNs = j.at("completed_ns").get<std::int64_t>();
@@ -121,16 +123,6 @@ HangAnalysis analyzeHang(const std::vector<RankView>& views, int worldSize, std:
       a.lines.push_back("rank " + std::to_string(r) + ": nothing known (its node sent no records)");
     }
   }
-  for (const auto& v : views) {
-    if (!v.ringError.empty()) {
-      a.lines.push_back("rank " + std::to_string(v.rank) + ": flight records unreadable: " + v.ringError);
-      a.lagging.insert(v.rank);
-    } else if (!v.ringAttached) {
-      a.lines.push_back("rank " + std::to_string(v.rank) +
-                        ": no flight records (not a libfsdp program, or it had not reached fsdp::init())");
-      a.lagging.insert(v.rank);
-    }
-  }
   const auto lastProgress = [&](const RankView& v) {
     if (v.progress.count == 0) return std::string("no progress mark yet");
     // A mark without a step (a restore starting) has none to show.
@@ -138,6 +130,32 @@ HangAnalysis analyzeHang(const std::vector<RankView>& views, int worldSize, std:
            (v.progress.step >= 0 ? " " + std::to_string(v.progress.step) : std::string()) + ", " +
            secondsText(nowNs - v.progress.lastNs) + " ago";
   };
+  // A survivor kept for an in-process re-formation that never re-formed holds up the whole
+  // round: the new processes wait for it inside fsdp::init(), before their rings are attached.
+  const bool someNotJoined = std::any_of(views.begin(), views.end(), [](const RankView& v) {
+    return v.ringError.empty() && v.ringAttached && !v.joined;
+  });
+  std::set<int> waitingInInit;  // those new processes: not blamed for the collectives they miss
+  for (const auto& v : views) {
+    if (!v.ringError.empty()) {
+      a.lines.push_back("rank " + std::to_string(v.rank) + ": flight records unreadable: " + v.ringError);
+      a.lagging.insert(v.rank);
+    } else if (!v.ringAttached && someNotJoined) {
+      waitingInInit.insert(v.rank);
+      a.lines.push_back("rank " + std::to_string(v.rank) +
+                        ": no flight records yet (a new process of this round, not past fsdp::init(), where it waits "
+                        "for every rank of the round)");
+    } else if (!v.ringAttached) {
+      a.lines.push_back("rank " + std::to_string(v.rank) +
+                        ": no flight records (not a libfsdp program, or it had not reached fsdp::init())");
+      a.lagging.insert(v.rank);
+    } else if (!v.joined) {
+      a.lines.push_back("rank " + std::to_string(v.rank) +
+                        " has not joined this round: it kept its process to re-form in it and has not re-formed; " +
+                        lastProgress(v));
+      a.lagging.insert(v.rank);
+    }
+  }
   // A rank inside its own long operation (a checkpoint write) when the job was declared hung.
   for (const auto& v : views) {
     if (v.progress.busySinceNs == 0) continue;
@@ -173,7 +191,7 @@ HangAnalysis analyzeHang(const std::vector<RankView>& views, int worldSize, std:
     }
   }
   const auto blame = [&](int rank) {
-    if (!waitingSomewhere.count(rank)) a.lagging.insert(rank);
+    if (!waitingSomewhere.count(rank) && !waitingInInit.count(rank)) a.lagging.insert(rank);
   };
   bool anyWaiting = false;
   for (const auto& [name, g] : groups) {
@@ -260,6 +278,20 @@ HangAnalysis analyzeHang(const std::vector<RankView>& views, int worldSize, std:
                         " and none completed it: the transport itself is stuck");
       a.lagging.insert(waiting.begin(), waiting.end());
     }
+  }
+  // A stopped process is stuck, whatever the records could tell (in a new round, before its first
+  // collective, there are none): it is the one to name, and those waiting for it are not.
+  std::set<int> stopped;
+  for (const auto& v : views) {
+    if (v.stopped) stopped.insert(v.rank);
+  }
+  if (!stopped.empty()) {
+    std::vector<int> ranks(stopped.begin(), stopped.end());
+    a.lines.insert(a.lines.begin(), rankList(ranks) + (ranks.size() == 1 ? " is stopped (SIGSTOP or SIGTSTP): it runs"
+                                                                          : " are stopped (SIGSTOP or SIGTSTP): they run") +
+                                        " no further until SIGCONT");
+    a.lagging = std::move(stopped);
+    return a;
   }
   if (!anyWaiting && a.lagging.empty()) {
     a.lines.push_back("no rank waits in a collective: every rank is outside communication (in the program)");

@@ -24,9 +24,16 @@ struct RankView {
   bool ringAttached = false;  // false: not a libfsdp program, or it had not reached fsdp::init()
   std::string ringError;      // the ring could not be read (corrupt)
   std::int64_t attachedNs = 0;
+  // false: a worker kept from an earlier round for an in-process re-formation that has not
+  // re-formed into this one (its ring's last attach is older than the round): it has no records
+  // of this round, and the ranks of this round wait for it.
+  bool joined = true;
+  // Its process is stopped (SIGSTOP, SIGTSTP): it runs no further until SIGCONT, whatever its
+  // records say, so the ranks of its round wait for it.
+  bool stopped = false;
   std::int64_t lastCompletedNs = 0;
   flight::Progress progress;
-  std::vector<flight::Record> records;  // the newest, oldest first
+  std::vector<flight::Record> records;  // the newest of this round, oldest first
   // Filled for lagging ranks (and every rank of a program without rings).
   std::string state;  // "stopped (SIGSTOP)", ...
   std::string stack;

@@ -228,14 +228,22 @@ HangReport HangWatchdog::collect(const std::string& declaredBy, std::int64_t qui
     RankView v{.rank = w.rank, .host = options_.host, .pid = w.pid};
     const char state = processState(w.pid);
     if (state == '?' || state == 'Z' || state == 'X') v.state = "exited";
+    v.stopped = state == 'T';
     if (w.ring) {
       const auto r = w.ring->read(flight::kDefaultCapacity);
       v.ringAttached = r.attached;
       v.ringError = r.error;
       v.attachedNs = r.attachedNs;
+      v.joined = !r.attached || r.attachedNs >= options_.roundStartNs;
       v.lastCompletedNs = r.lastCompletedNs;
       v.progress = r.progress;
-      v.records = selectRecords(r.records);
+      // Only this round's records: a survivor's ring still holds its earlier rounds' (the same
+      // group names, their sequence numbers counted from 1 again), which would hide where it is
+      // now; one that has not re-formed has none.
+      const std::int64_t since = std::max(r.attachedNs, options_.roundStartNs);
+      auto records = r.records;
+      std::erase_if(records, [since](const flight::Record& record) { return record.issuedNs < since; });
+      v.records = selectRecords(records);
     } else {
       v.ringError = "the agent could not make this worker's ring";
     }
@@ -312,7 +320,8 @@ HangReport HangWatchdog::collect(const std::string& declaredBy, std::int64_t qui
   // The finding that names the cause comes first in one-line messages.
   report.summary = analysis.lines.empty() ? headline : analysis.lines.front();
   for (const auto& line : analysis.lines) {
-    if (line.find("never entered") != std::string::npos || line.rfind("desync", 0) == 0) {
+    if (line.find("never entered") != std::string::npos || line.rfind("desync", 0) == 0 ||
+        line.find(" stopped (SIGSTOP") != std::string::npos) {
       report.summary = line;
       break;
     }

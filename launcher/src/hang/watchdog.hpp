@@ -32,6 +32,10 @@ namespace fsdp::launcher::detail {
 struct WatchdogOptions {
   std::optional<std::chrono::milliseconds> timeout;  // nullopt: auto (hangTimeoutFor)
   int round = 0;
+  // When the agent began the round (flight::nowNs), before it handed the round to the workers it
+  // kept: a ring attached earlier is a survivor's that has not re-formed into this round yet.
+  // 0: every attached ring counts as this round's.
+  std::int64_t roundStartNs = 0;
   int nodeRank = 0;
   int nnodes = 1;
   int worldSize = 1;

@@ -182,6 +182,42 @@ TEST(HangAnalysis, RanksWithoutRecordsAreNamedAndInspected) {
   EXPECT_NE(text.find("rank 3: nothing known"), std::string::npos) << text;
 }
 
+// A survivor kept for an in-process re-formation that never re-formed: the new round's ranks
+// wait for it (the new process inside fsdp::init(), without a ring yet; the survivor that did
+// re-form in the round's first collective). It is the one named, not those waiting for it.
+TEST(HangAnalysis, ASurvivorThatHasNotJoinedTheRoundIsNamedNotTheRanksWaitingForIt) {
+  RankView waiting = view(0, {rec(1, Op::kAllGather, 12, false, 0)});
+  RankView starting = view(1, {});
+  starting.ringAttached = false;
+  RankView stuck = view(2, {});
+  stuck.joined = false;
+  const auto a = analyzeHang({waiting, starting, stuck}, 3, kNow);
+  const auto text = joined(a);
+  EXPECT_EQ(a.lagging, std::set<int>{2}) << text;
+  EXPECT_NE(text.find("rank 2 has not joined this round"), std::string::npos) << text;
+  EXPECT_NE(text.find("last progress mark: trainer step 6"), std::string::npos) << text;
+  EXPECT_NE(text.find("rank 1: no flight records yet (a new process of this round"), std::string::npos) << text;
+  // Without such a survivor, a rank without a ring is still one to look at.
+  const auto b = analyzeHang({waiting, starting, view(2, {})}, 3, kNow);
+  EXPECT_TRUE(b.lagging.count(1)) << joined(b);
+  // The agents exchange it.
+  EXPECT_FALSE(rankViewsFromJson(rankViewsToJson({stuck})).at(0).joined);
+  EXPECT_TRUE(rankViewsFromJson(rankViewsToJson({waiting})).at(0).joined);
+}
+
+// A stopped process in a round no rank has issued a collective in yet: nothing in the records,
+// yet it is the one to name (not the new process without a ring, waiting for it in init()).
+TEST(HangAnalysis, AStoppedRankIsNamedEvenWhereTheRecordsSayNothing) {
+  RankView starting = view(1, {});
+  starting.ringAttached = false;
+  RankView frozen = view(2, {});
+  frozen.stopped = true;
+  const auto a = analyzeHang({view(0, {}), starting, frozen}, 3, kNow);
+  EXPECT_EQ(a.lagging, std::set<int>{2}) << joined(a);
+  EXPECT_EQ(a.lines.front().rfind("rank 2 is stopped (SIGSTOP or SIGTSTP)", 0), 0u) << joined(a);
+  EXPECT_TRUE(rankViewsFromJson(rankViewsToJson({frozen})).at(0).stopped);
+}
+
 TEST(HangAnalysis, EveryRankOutsideCommunicationMeansStacksOfAll) {
   const auto a = analyzeHang({view(0, {rec(3, Op::kAllReduce, 1, true, 0, 2)}),
                               view(1, {rec(3, Op::kAllReduce, 1, true, 1, 2)})}, 2, kNow);
