@@ -1,8 +1,10 @@
 // Lost nodes of a job of more than two nodes, end to end: real agents on 127.0.0.2.. against a
 // standalone fsdprun-rdzv, the real mnist trainer, real SIGKILLs of whole agents. A lost node's
 // ranks come back from their peer copies on another node (fetched over TCP by whichever rank
-// needs them); a node lost with the node holding its peer copy sends the job to disk, saying so.
+// needs them); a node lost with the node holding its peer copy sends the job to disk, saying so;
+// a frozen node is lost like a dead one, without holding the survivors.
 #include <gtest/gtest.h>
+#include <signal.h>
 
 #include <chrono>
 #include <map>
@@ -182,6 +184,37 @@ void growInProcess(int running) {
 TEST_F(NodeLoss, ANodeAddedGrowsTheWorldAndTheRunningWorkersReshardInProcess) { growInProcess(2); }
 // From one rank: FSDP's full buffers at world 1 are the parameters themselves (not sharded).
 TEST_F(NodeLoss, ANodeAddedToOneGrowsTheWorldAndItsWorkerShardsInProcess) { growInProcess(1); }
+
+// A node that stops answering without dying (its agent frozen by SIGSTOP: a hung host, a cut
+// link) is lost at the heartbeat timeout like a dead one. Its predecessor's peer copy to it never
+// gets a reply; the survivors' re-formation, which waits for the snapshot in flight, once waited
+// for that copy's 120 s timeout. The agent's abort notice now cuts it short (one line says so):
+// the survivors re-form in process while the node is still frozen, and finish.
+TEST_F(NodeLoss, AFrozenNodeIsLostAndThePeerCopyToItDoesNotHoldTheSurvivors) {
+  NodeJob job("frozen", {.agents = 3,
+                         .nnodes = "2:3",
+                         .job = mnist({"--metrics_file", "{metrics}"}, kSteps),
+                         .env = {"FSDP_LOG_LEVEL=info"}});
+  ASSERT_TRUE(job.waitForStep(kKillAfter, 240s)) << job.allErr();
+  // Node 1 holds the peer copies of node 0 (rank 0's, whose agent prints the summary).
+  const int victim = job.agentOfGroupRank(1);
+  const int predecessor = job.agentOfGroupRank(0);
+  ASSERT_GE(victim, 0);
+  ASSERT_GE(predecessor, 0);
+  const double frozenAt = unixNow();
+  job.agent(victim).signal(SIGSTOP);
+  const json resume = job.waitForResume(frozenAt, 240s);
+  ASSERT_TRUE(resume.is_object()) << job.allErr();
+  EXPECT_EQ(resume.value("path", ""), "in_process") << resume;
+  EXPECT_NE(job.err(predecessor).find("was cut short: the world re-forms"), std::string::npos) << job.allErr();
+  job.agent(victim).signal(SIGCONT);  // it finds the run closed and leaves
+  const json summary = fsdp::testing::nodes::survivorsSucceed(job, victim, 300s);
+  ASSERT_TRUE(summary.is_object()) << job.allErr();
+  EXPECT_EQ(summary.value("world_size", 0), 2);
+  EXPECT_EQ(summary.value("steps", 0), kSteps);
+  EXPECT_TRUE(job.wait(victim, 60s).has_value()) << job.allErr();
+  EXPECT_EQ(job.leftovers(), std::vector<std::string>{});
+}
 
 TEST_F(NodeLoss, ANodeLostWithItsPeerCopysHolderSendsTheSurvivorsToDiskSayingWhy) {
   constexpr int kEvery = 4;

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <fstream>
 #include <list>
+#include <mutex>
 
 #include "checkpoint/checkpoint_internal.hpp"
 #include "checkpoint/job_thread.hpp"
@@ -19,6 +20,7 @@
 #include "fsdp/common/log.hpp"
 #include "fsdp/common/snapshot_wire.hpp"
 #include "fsdp/worker/runtime.hpp"
+#include "reform/control.hpp"
 #include "snapshot_fetch.hpp"
 #include "snapshot_memory.hpp"
 #include "snapshot_restore.hpp"
@@ -54,6 +56,13 @@ struct Snapshotter::Impl {
   Fd keeper;           // this node's keeper (Unix SOCK_SEQPACKET)
   std::string peerEndpoint;  // the next node's keeper, "" when none
   Fd peer;
+  // The agent's abort notice (the world re-forms) ends a peer copy in flight: a node that stopped
+  // answering (frozen, cut off) would hold this rank's re-formation, which waits for the snapshot
+  // in flight, for up to the copy's timeout. Guards `peer` being set or closed, and
+  // `peerAborted` (until rejoin()); the copy's I/O itself runs outside it.
+  std::mutex peerMutex;
+  bool peerAborted = false;
+  int abortHook = -1;
   std::string token;
   std::atomic<bool> refused{false};
   // The metadata of the last snapshot: what does not change from step to step is built once
@@ -67,7 +76,22 @@ struct Snapshotter::Impl {
   // Writes and hands over one snapshot at a time. Last: it stops before what its jobs use goes.
   JobThread worker;
 
-  Impl(Runtime& rt, SnapshotOptions o) : runtime(rt), options(o) {}
+  Impl(Runtime& rt, SnapshotOptions o) : runtime(rt), options(o) {
+    auto& control = ReformControl::process();
+    if (control.active()) abortHook = control.addAbortHook([this](const std::string&) { abortPeerCopy(); });
+  }
+  ~Impl() {
+    if (abortHook >= 0) ReformControl::process().removeAbortHook(abortHook);
+  }
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
+
+  // From the control channel's thread: the peer copy in flight, if any, fails at once.
+  void abortPeerCopy() {
+    std::scoped_lock lock(peerMutex);
+    peerAborted = true;
+    if (peer) ::shutdown(peer.get(), SHUT_RDWR);
+  }
 
   // Collective, at construction and at rejoin(): whether every rank has a keeper, and where the
   // next node's agent listens in this round.
@@ -330,7 +354,12 @@ struct Snapshotter::Impl {
     }
     if (peerEndpoint.empty() || peerFailed) return;
     try {
-      if (!peer) peer = connectKeeper(peerEndpoint, options.timeout);
+      if (!peer) {
+        Fd connected = connectKeeper(peerEndpoint, options.timeout);
+        std::scoped_lock lock(peerMutex);
+        peer = std::move(connected);
+        if (peerAborted) ::shutdown(peer.get(), SHUT_RDWR);
+      }
       const std::string frame =
           json{{"run", runtime.env().runId}, {"rank", rank}, {"world", world}, {"step", step}, {"bytes", total},
                {"mac", snapshot::peerMac(token, runtime.env().runId, rank, world, step, total)}}
@@ -350,9 +379,18 @@ struct Snapshotter::Impl {
       }
     } catch (const std::exception& e) {
       peerFailed = true;
-      peer.reset();
-      log::warn("rank {}: no peer copies of snapshots from now on ({}): a lost node resumes from disk", rank,
-                e.what());
+      bool aborted = false;
+      {
+        std::scoped_lock lock(peerMutex);
+        aborted = peerAborted;
+        peer.reset();
+      }
+      if (aborted) {
+        log::info("rank {}: the peer copy of step {} was cut short: the world re-forms", rank, step);
+      } else {
+        log::warn("rank {}: no peer copies of snapshots from now on ({}): a lost node resumes from disk", rank,
+                  e.what());
+      }
     }
   }
 };
@@ -375,7 +413,11 @@ Snapshotter::Snapshotter(Runtime& runtime, SnapshotOptions options)
 void Snapshotter::rejoin() {
   auto& d = *impl_;
   wait();
-  d.peer.reset();
+  {
+    std::scoped_lock lock(d.peerMutex);
+    d.peer.reset();
+    d.peerAborted = false;
+  }
   d.peerFailed = false;
   d.restoreCalls = 0;  // the restore's store keys, per round and call: as a new process counts
   d.agree();
