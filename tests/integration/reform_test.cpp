@@ -265,8 +265,7 @@ TEST_F(Reform, ASurvivorStoppedWhileReformingIsTheRankTheHangReportNames) {
     return readFile(dir.path() + "/err").find("rank 2: the step in progress is dropped") != std::string::npos;
   })) << readFile(dir.path() + "/err");
   ::kill(before.at(2), SIGSTOP);  // re-forming: before or after it joined the new round
-  const auto r = finish(proc, dir);
-  ::kill(before.at(2), SIGCONT);
+  const auto r = finish(proc, dir);  // the agent killed the stopped process
   ASSERT_EQ(r.exitCode, 0) << r.err;
   EXPECT_NE(r.err.find("the job is hung"), std::string::npos) << r.err;
   // Named as stopped (its state), and where the records tell, as the one the others wait for.
@@ -295,8 +294,7 @@ TEST_F(Reform, AStoppedSurvivorRestartsAsAProcessAndTheOthersReformInProcess) {
     return readFile(dir.path() + "/err").find("was stopped by SIGSTOP") != std::string::npos;
   })) << readFile(dir.path() + "/err");
   ::kill(before.at(1), SIGKILL);
-  const auto r = finish(proc, dir);
-  ::kill(before.at(2), SIGCONT);
+  const auto r = finish(proc, dir);  // the agent killed the stopped process
   ASSERT_EQ(r.exitCode, 0) << r.err;
   EXPECT_NE(r.err.find("rank(s) 2 restart as processes: stopped"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("rank(s) 0 re-form in process; 2 worker(s) start as new processes"), std::string::npos)

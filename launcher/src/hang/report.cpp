@@ -287,9 +287,16 @@ HangAnalysis analyzeHang(const std::vector<RankView>& views, int worldSize, std:
   }
   if (!stopped.empty()) {
     std::vector<int> ranks(stopped.begin(), stopped.end());
+    // A stopped rank inside a collective makes it look as if the transport were stuck: it is not.
+    std::erase_if(a.lines, [](const std::string& l) { return l.ends_with("the transport itself is stuck"); });
     a.lines.insert(a.lines.begin(), rankList(ranks) + (ranks.size() == 1 ? " is stopped (SIGSTOP or SIGTSTP): it runs"
                                                                           : " are stopped (SIGSTOP or SIGTSTP): they run") +
                                         " no further until SIGCONT");
+    a.cause = 0;
+    // Besides them, only ranks whose records could not be read stay to be looked at.
+    for (const auto& v : views) {
+      if (!v.ringError.empty()) stopped.insert(v.rank);
+    }
     a.lagging = std::move(stopped);
     return a;
   }

@@ -48,6 +48,7 @@ struct HangAnalysis {
   std::set<int> lagging;   // the ranks to take stacks of: the cause, as far as the records tell
   std::vector<std::string> lines;  // the findings, one per line, without stacks
   bool desync = false;
+  int cause = -1;  // the index in `lines` of the finding that names the cause; -1: not known
 };
 
 // `nowNs`: when the job was declared hung (CLOCK_REALTIME). `worldSize`: every rank the job has;

@@ -319,11 +319,14 @@ HangReport HangWatchdog::collect(const std::string& declaredBy, std::int64_t qui
   report.stalledSeconds = static_cast<double>(quietNs) / 1e9;
   // The finding that names the cause comes first in one-line messages.
   report.summary = analysis.lines.empty() ? headline : analysis.lines.front();
-  for (const auto& line : analysis.lines) {
-    if (line.find("never entered") != std::string::npos || line.rfind("desync", 0) == 0 ||
-        line.find(" stopped (SIGSTOP") != std::string::npos) {
-      report.summary = line;
-      break;
+  if (analysis.cause >= 0) {
+    report.summary = analysis.lines.at(static_cast<std::size_t>(analysis.cause));
+  } else {
+    for (const auto& line : analysis.lines) {
+      if (line.find("never entered") != std::string::npos || line.rfind("desync", 0) == 0) {
+        report.summary = line;
+        break;
+      }
     }
   }
   if (!analysis.lagging.empty()) {

@@ -215,6 +215,13 @@ TEST(HangAnalysis, AStoppedRankIsNamedEvenWhereTheRecordsSayNothing) {
   const auto a = analyzeHang({view(0, {}), starting, frozen}, 3, kNow);
   EXPECT_EQ(a.lagging, std::set<int>{2}) << joined(a);
   EXPECT_EQ(a.lines.front().rfind("rank 2 is stopped (SIGSTOP or SIGTSTP)", 0), 0u) << joined(a);
+  EXPECT_EQ(a.cause, 0);
+  // Stopped inside a collective every rank entered: not the transport.
+  RankView inside = view(1, {rec(4, Op::kAllReduce, 1, false, 1, 2)});
+  inside.stopped = true;
+  const auto b = analyzeHang({view(0, {rec(4, Op::kAllReduce, 1, false, 0, 2)}), inside}, 2, kNow);
+  EXPECT_EQ(b.lagging, std::set<int>{1}) << joined(b);
+  EXPECT_EQ(joined(b).find("the transport itself is stuck"), std::string::npos) << joined(b);
   EXPECT_TRUE(rankViewsFromJson(rankViewsToJson({frozen})).at(0).stopped);
 }
 

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <list>
 #include <mutex>
+#include <utility>
 
 #include "checkpoint/checkpoint_internal.hpp"
 #include "checkpoint/job_thread.hpp"
@@ -91,6 +92,14 @@ struct Snapshotter::Impl {
     std::scoped_lock lock(peerMutex);
     peerAborted = true;
     if (peer) ::shutdown(peer.get(), SHUT_RDWR);
+  }
+
+  // Closes the peer connection; `clearAbort` (a new round): copies may start again. Returns
+  // whether an abort notice had come.
+  bool closePeer(bool clearAbort) {
+    std::scoped_lock lock(peerMutex);
+    peer.reset();
+    return std::exchange(peerAborted, peerAborted && !clearAbort);
   }
 
   // Collective, at construction and at rejoin(): whether every rank has a keeper, and where the
@@ -355,6 +364,12 @@ struct Snapshotter::Impl {
     if (peerEndpoint.empty() || peerFailed) return;
     try {
       if (!peer) {
+        {
+          std::scoped_lock lock(peerMutex);
+          if (peerAborted) throw Error("the world re-forms");  // no new connection for this round
+        }
+        // Not cut short while it connects (a host that drops packets: up to options.timeout); a
+        // frozen process's kernel still accepts the connection.
         Fd connected = connectKeeper(peerEndpoint, options.timeout);
         std::scoped_lock lock(peerMutex);
         peer = std::move(connected);
@@ -379,13 +394,7 @@ struct Snapshotter::Impl {
       }
     } catch (const std::exception& e) {
       peerFailed = true;
-      bool aborted = false;
-      {
-        std::scoped_lock lock(peerMutex);
-        aborted = peerAborted;
-        peer.reset();
-      }
-      if (aborted) {
+      if (closePeer(/*clearAbort=*/false)) {
         log::info("rank {}: the peer copy of step {} was cut short: the world re-forms", rank, step);
       } else {
         log::warn("rank {}: no peer copies of snapshots from now on ({}): a lost node resumes from disk", rank,
@@ -413,11 +422,7 @@ Snapshotter::Snapshotter(Runtime& runtime, SnapshotOptions options)
 void Snapshotter::rejoin() {
   auto& d = *impl_;
   wait();
-  {
-    std::scoped_lock lock(d.peerMutex);
-    d.peer.reset();
-    d.peerAborted = false;
-  }
+  d.closePeer(/*clearAbort=*/true);
   d.peerFailed = false;
   d.restoreCalls = 0;  // the restore's store keys, per round and call: as a new process counts
   d.agree();
