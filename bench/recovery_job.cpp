@@ -405,7 +405,7 @@ double stepMs(const std::vector<nlohmann::json>& lines, std::size_t from) {
   for (std::size_t i = from; i < lines.size(); ++i) {
     const auto& l = lines[i];
     const auto type = l.value("type", "");
-    if (type == "resume") sinceStart = 0;
+    if (type == "resume") sinceStart = kWarmupSteps - kStepsAfterResume;
     if (type == "train" && ++sinceStart > kWarmupSteps) ms.push_back(l.value("step_time_ms", 0.0));
   }
   return median(ms);
@@ -459,14 +459,15 @@ void killFigures(const Observed& seen, nlohmann::json& line) {
   // its memory in and make its next snapshots' buffers, which the overhead does not count.
   nlohmann::json after = nlohmann::json::array();
   double previous = r.value("unix_time", 0.0);
-  for (std::size_t i = *resume + 1; i < seen.lines.size() && after.size() < 5; ++i) {
+  const auto shown = static_cast<std::size_t>(kStepsAfterResume);
+  for (std::size_t i = *resume + 1; i < seen.lines.size() && after.size() < shown; ++i) {
     const auto& l = seen.lines[i];
     if (l.value("type", "") != "train") continue;
     after.push_back(std::round(1000.0 * (l.value("unix_time", 0.0) - previous)));
     previous = l.value("unix_time", 0.0);
   }
   line["steps_after_ms"] = std::move(after);
-  // The median step after the resume (its first kWarmupSteps left out), where there is one.
+  // The median step after the resume (its first kStepsAfterResume left out), where there is one.
   if (const double ms = stepMs(seen.lines, *resume); ms > 0) line["step_ms_after"] = ms;
   for (std::size_t i = *resume + 1; i < seen.lines.size(); ++i) {
     const auto& l = seen.lines[i];

@@ -153,10 +153,13 @@ inline std::pair<double, double> stepCost(const Observed& seen) {
 
 // Steps left out of the step-time medians after each start and resume, and never a kill step.
 inline constexpr int kWarmupSteps = 3;
+// ... and after each resume, whose first steps stay slower for a while (new processes make their
+// snapshot buffers, the next spare starts): steps_after_ms shows them, the medians leave them out.
+inline constexpr int kStepsAfterResume = 5;
 // The median of `v`; -1 when empty.
 double median(std::vector<double> v);
-// Median step time of the train lines from index `from` on, each attempt's first kWarmupSteps
-// left out (those before the first line and those after each resume line); -1 when none.
+// Median step time of the train lines from index `from` on, the first kWarmupSteps left out and
+// kStepsAfterResume after each resume line; -1 when none.
 double stepMs(const std::vector<nlohmann::json>& lines, std::size_t from = 0);
 // Fills the figures of a kill from the metrics lines: steps redone, kill -> restored, -> first
 // step, -> caught up, the recovery overhead, the first steps' durations after the resume.
