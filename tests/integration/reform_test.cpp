@@ -114,6 +114,29 @@ Finished finish(fsdp::ChildProcess& job, const TempDir& dir) {
           readFile(dir.path() + "/err")};
 }
 
+// One job's names and files: its run id, the tag its processes carry, its metrics file.
+struct JobFiles {
+  explicit JobFiles(const std::string& name)
+      : runId("reform-" + name + "-" + std::to_string(::getpid())),
+        tag("FSDP_REFORM_TAG=" + runId),
+        metrics(dir.path() + "/m.jsonl") {}
+  std::string err() const { return readFile(dir.path() + "/err"); }
+  TempDir dir;
+  std::string runId, tag, metrics;
+};
+
+// Waits for rank 0's step 10 (every rank is in a later step): the workers by rank then, none
+// when the job ended first.
+std::map<int, int> pastStep10(fsdp::ChildProcess& job, const JobFiles& f) {
+  if (!waitFor(job, [&] { return newestStep(f.metrics) >= 10; })) return {};
+  return workersByRank(f.tag);
+}
+
+// Waits until the job's log says `text`.
+bool logSays(fsdp::ChildProcess& job, const JobFiles& f, const std::string& text) {
+  return waitFor(job, [&] { return f.err().find(text) != std::string::npos; });
+}
+
 class Reform : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -191,25 +214,22 @@ TEST_F(Reform, ARankKilledMidStepEndsBitIdenticalInBothModesAndTheSurvivorsKeepT
 // replacement restores pieces the first replacement wrote. Both recoveries in process, the end
 // still the uninterrupted run's.
 TEST_F(Reform, AReplacementKilledInTurnIsReplacedInProcessAgainAndTheEndIsUnchanged) {
-  TempDir dir;
-  const std::string runId = "reform-twice-" + std::to_string(::getpid());
-  const std::string tag = "FSDP_REFORM_TAG=" + runId;
-  const std::string metrics = dir.path() + "/m.jsonl";
+  const JobFiles f("twice");
+  const std::string& metrics = f.metrics;
   extraEnv_ = {"FSDP_LOG_LEVEL=debug"};
-  auto proc = start(job("auto", runId, metrics), tag, dir);
-  ASSERT_TRUE(waitFor(proc, [&] { return newestStep(metrics) >= 10; })) << readFile(dir.path() + "/err");
-  const auto first = workersByRank(tag);
-  ASSERT_EQ(first.size(), 3u);
+  auto proc = start(job("auto", f.runId, metrics), f.tag, f.dir);
+  const auto first = pastStep10(proc, f);
+  ASSERT_EQ(first.size(), 3u) << f.err();
   ::kill(first.at(1), SIGKILL);
-  ASSERT_TRUE(waitFor(proc, [&] { return resumeLine(metrics).has_value(); })) << readFile(dir.path() + "/err");
+  ASSERT_TRUE(waitFor(proc, [&] { return resumeLine(metrics).has_value(); })) << f.err();
   const int resumed = resumeLine(metrics)->value("step", 0);
   // A few snapshots later (each written into memory it took back): the new rank 1 goes too.
-  ASSERT_TRUE(waitFor(proc, [&] { return newestStep(metrics) >= resumed + 5; })) << readFile(dir.path() + "/err");
-  const auto second = workersByRank(tag);
+  ASSERT_TRUE(waitFor(proc, [&] { return newestStep(metrics) >= resumed + 5; })) << f.err();
+  const auto second = workersByRank(f.tag);
   ASSERT_EQ(second.size(), 3u);
   ASSERT_NE(second.at(1), first.at(1));
   ::kill(second.at(1), SIGKILL);
-  const auto r = finish(proc, dir);
+  const auto r = finish(proc, f.dir);
   ASSERT_EQ(r.exitCode, 0) << r.err;
   EXPECT_EQ(summaryOf(r.out).value("params_sha256", ""), reference_) << r.out;
   EXPECT_EQ(summaryOf(r.out).value("steps", 0), kSteps);
@@ -221,26 +241,20 @@ TEST_F(Reform, AReplacementKilledInTurnIsReplacedInProcessAgainAndTheEndIsUnchan
   for (const auto& resume : resumes) EXPECT_EQ(resume.value("path", ""), "in_process") << resume.dump();
   EXPECT_GE(resumes[1].value("step", 0), resumed + 4) << "the second restore is of a step the replacement wrote";
   EXPECT_TRUE(tookBackMemory(r.err, 1)) << r.err;
-  EXPECT_EQ(workersByRank(tag), (std::map<int, int>{})) << "nothing of the job outlives it";
+  EXPECT_EQ(workersByRank(f.tag), (std::map<int, int>{})) << "nothing of the job outlives it";
 }
 
 // Must-show 4: a second kill while the survivors re-form (rank 2, once it dropped its step)
 // falls back to process restarts, and the job still ends as the uninterrupted run does.
 TEST_F(Reform, ASecondKillDuringTheReformationFallsBackToProcessRestartsAndTheJobFinishes) {
-  TempDir dir;
-  const std::string runId = "reform-second-" + std::to_string(::getpid());
-  const std::string tag = "FSDP_REFORM_TAG=" + runId;
-  const std::string metrics = dir.path() + "/m.jsonl";
-  auto proc = start(job("auto", runId, metrics), tag, dir);
-  ASSERT_TRUE(waitFor(proc, [&] { return newestStep(metrics) >= 10; })) << readFile(dir.path() + "/err");
-  const auto before = workersByRank(tag);
-  ASSERT_EQ(before.size(), 3u);
+  const JobFiles f("second");
+  auto proc = start(job("auto", f.runId, f.metrics), f.tag, f.dir);
+  const auto before = pastStep10(proc, f);
+  ASSERT_EQ(before.size(), 3u) << f.err();
   ::kill(before.at(1), SIGKILL);
-  ASSERT_TRUE(waitFor(proc, [&] {
-    return readFile(dir.path() + "/err").find("rank 2: the step in progress is dropped") != std::string::npos;
-  })) << readFile(dir.path() + "/err");
+  ASSERT_TRUE(logSays(proc, f, "rank 2: the step in progress is dropped")) << f.err();
   ::kill(before.at(2), SIGKILL);  // re-forming: waiting for the new round
-  const auto r = finish(proc, dir);
+  const auto r = finish(proc, f.dir);
   ASSERT_EQ(r.exitCode, 0) << r.err;
   EXPECT_EQ(summaryOf(r.out).value("params_sha256", ""), reference_) << r.out;
   EXPECT_EQ(summaryOf(r.out).value("steps", 0), kSteps);
@@ -250,22 +264,16 @@ TEST_F(Reform, ASecondKillDuringTheReformationFallsBackToProcessRestartsAndTheJo
 // timeout, and the report names it, not the ranks waiting for it (whose earlier rounds' records
 // once hid where it was); its error file is written though it has no folder of this attempt.
 TEST_F(Reform, ASurvivorStoppedWhileReformingIsTheRankTheHangReportNames) {
-  TempDir dir;
-  const std::string runId = "reform-stopped-" + std::to_string(::getpid());
-  const std::string tag = "FSDP_REFORM_TAG=" + runId;
-  const std::string metrics = dir.path() + "/m.jsonl";
-  auto argv = job("auto", runId, metrics);
+  const JobFiles f("stopped");
+  auto argv = job("auto", f.runId, f.metrics);
   argv.insert(argv.begin() + 1, {"--hang_timeout", "3"});
-  auto proc = start(argv, tag, dir);
-  ASSERT_TRUE(waitFor(proc, [&] { return newestStep(metrics) >= 10; })) << readFile(dir.path() + "/err");
-  const auto before = workersByRank(tag);
-  ASSERT_EQ(before.size(), 3u);
+  auto proc = start(argv, f.tag, f.dir);
+  const auto before = pastStep10(proc, f);
+  ASSERT_EQ(before.size(), 3u) << f.err();
   ::kill(before.at(1), SIGKILL);
-  ASSERT_TRUE(waitFor(proc, [&] {
-    return readFile(dir.path() + "/err").find("rank 2: the step in progress is dropped") != std::string::npos;
-  })) << readFile(dir.path() + "/err");
+  ASSERT_TRUE(logSays(proc, f, "rank 2: the step in progress is dropped")) << f.err();
   ::kill(before.at(2), SIGSTOP);  // re-forming: before or after it joined the new round
-  const auto r = finish(proc, dir);  // the agent killed the stopped process
+  const auto r = finish(proc, f.dir);  // the agent killed the stopped process
   ASSERT_EQ(r.exitCode, 0) << r.err;
   EXPECT_NE(r.err.find("the job is hung"), std::string::npos) << r.err;
   // Named as stopped (its state), and where the records tell, as the one the others wait for.
@@ -280,28 +288,22 @@ TEST_F(Reform, ASurvivorStoppedWhileReformingIsTheRankTheHangReportNames) {
 // A survivor already stopped when a peer fails cannot take the abort notice: it starts again as
 // a process (one line says why), the others re-form in process, and nothing waits for a hang.
 TEST_F(Reform, AStoppedSurvivorRestartsAsAProcessAndTheOthersReformInProcess) {
-  TempDir dir;
-  const std::string runId = "reform-frozen-" + std::to_string(::getpid());
-  const std::string tag = "FSDP_REFORM_TAG=" + runId;
-  const std::string metrics = dir.path() + "/m.jsonl";
-  auto proc = start(job("auto", runId, metrics), tag, dir);
-  ASSERT_TRUE(waitFor(proc, [&] { return newestStep(metrics) >= 10; })) << readFile(dir.path() + "/err");
-  const auto before = workersByRank(tag);
-  ASSERT_EQ(before.size(), 3u);
+  const JobFiles f("frozen");
+  auto proc = start(job("auto", f.runId, f.metrics), f.tag, f.dir);
+  const auto before = pastStep10(proc, f);
+  ASSERT_EQ(before.size(), 3u) << f.err();
   ::kill(before.at(2), SIGSTOP);
   // The agent has seen it stop (its warning), then rank 1 goes.
-  ASSERT_TRUE(waitFor(proc, [&] {
-    return readFile(dir.path() + "/err").find("was stopped by SIGSTOP") != std::string::npos;
-  })) << readFile(dir.path() + "/err");
+  ASSERT_TRUE(logSays(proc, f, "was stopped by SIGSTOP")) << f.err();
   ::kill(before.at(1), SIGKILL);
-  const auto r = finish(proc, dir);  // the agent killed the stopped process
+  const auto r = finish(proc, f.dir);  // the agent killed the stopped process
   ASSERT_EQ(r.exitCode, 0) << r.err;
   EXPECT_NE(r.err.find("rank(s) 2 restart as processes: stopped"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("rank(s) 0 re-form in process; 2 worker(s) start as new processes"), std::string::npos)
       << r.err;
   EXPECT_EQ(r.err.find("the job is hung"), std::string::npos) << r.err;
   EXPECT_EQ(summaryOf(r.out).value("params_sha256", ""), reference_) << r.out;
-  const auto resume = resumeLine(metrics);
+  const auto resume = resumeLine(f.metrics);
   ASSERT_TRUE(resume.has_value());
   EXPECT_EQ(resume->value("path", ""), "in_process");
 }
