@@ -72,7 +72,8 @@ std::string rankViewsToJson(const std::vector<RankView>& views) {
   for (const auto& v : views) {
     json records = json::array();
     for (const auto& r : v.records) records.push_back(recordToJson(r));
-    out.push_back({{"rank", v.rank}, {"host", v.host}, {"pid", v.pid}, {"attached", v.ringAttached}, {"joined", v.joined}, {"stopped", v.stopped},
+    out.push_back({{"rank", v.rank}, {"host", v.host}, {"pid", v.pid}, {"attached", v.ringAttached},
+                   {"joined", v.joined}, {"stopped", v.stopped},
                    {"ring_error", v.ringError}, {"attached_ns", v.attachedNs}, {"completed_ns", v.lastCompletedNs},
                    {"progress", {{"count", v.progress.count}, {"step", v.progress.step}, {"ns", v.progress.lastNs},
                                  {"gap", v.progress.longestGapNs}, {"what", v.progress.what},
@@ -122,6 +123,12 @@ HangAnalysis analyzeHang(const std::vector<RankView>& views, int worldSize, std:
     if (!byRank.count(r)) {
       a.lines.push_back("rank " + std::to_string(r) + ": nothing known (its node sent no records)");
     }
+  }
+  // A stopped process is stuck, whatever the records could tell (in a new round, before its first
+  // collective, there are none): it is the one to name, and those waiting for it are not.
+  std::set<int> stopped;
+  for (const auto& v : views) {
+    if (v.stopped) stopped.insert(v.rank);
   }
   const auto lastProgress = [&](const RankView& v) {
     if (v.progress.count == 0) return std::string("no progress mark yet");
@@ -273,22 +280,15 @@ HangAnalysis analyzeHang(const std::vector<RankView>& views, int worldSize, std:
       }
       a.lines.push_back(line);
     }
-    if (!someoneMissing && !a.desync) {
+    // (A stopped rank inside a collective every rank entered makes it look so: it is not.)
+    if (!someoneMissing && !a.desync && stopped.empty()) {
       a.lines.push_back("every rank of " + name + " entered #" + std::to_string(*stuck) +
                         " and none completed it: the transport itself is stuck");
       a.lagging.insert(waiting.begin(), waiting.end());
     }
   }
-  // A stopped process is stuck, whatever the records could tell (in a new round, before its first
-  // collective, there are none): it is the one to name, and those waiting for it are not.
-  std::set<int> stopped;
-  for (const auto& v : views) {
-    if (v.stopped) stopped.insert(v.rank);
-  }
   if (!stopped.empty()) {
     std::vector<int> ranks(stopped.begin(), stopped.end());
-    // A stopped rank inside a collective makes it look as if the transport were stuck: it is not.
-    std::erase_if(a.lines, [](const std::string& l) { return l.ends_with("the transport itself is stuck"); });
     a.lines.insert(a.lines.begin(), rankList(ranks) + (ranks.size() == 1 ? " is stopped (SIGSTOP or SIGTSTP): it runs"
                                                                           : " are stopped (SIGSTOP or SIGTSTP): they run") +
                                         " no further until SIGCONT");
