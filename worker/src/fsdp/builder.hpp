@@ -14,9 +14,12 @@
 namespace fsdp::worker::detail {
 
 // All-gathers this rank's model digest (4 words: 16 bytes of a hash of names, shapes and dtypes,
-// the parameter count, the element count) and throws ConfigError naming the first rank whose
-// model differs. Construction, and its replay after a re-formation.
-void compareModelDigests(Communicator& comm, at::Tensor mine);
+// the parameter count, the element count) and whether this rank is a survivor of an earlier
+// round (re-forming in process), and throws ConfigError naming the first rank whose model
+// differs. Construction, and its replay after a re-formation. Returns whether any rank of the
+// group is such a survivor: the round's state then comes from a restore (reform.hpp), not from
+// rank 0's weights.
+bool compareModelDigests(Communicator& comm, const at::Tensor& mine, bool survivor);
 
 class FsdpBuilder {
  public:

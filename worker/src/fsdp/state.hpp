@@ -126,18 +126,19 @@ class FsdpState {
   // Counts backward passes, so that a hook of an abandoned one recognises itself.
   std::uint64_t generation_ = 0;
   std::vector<std::pair<torch::autograd::Node*, std::uintptr_t>> hookKeys_;
-  // The collectives of construction, kept so that a survivor of a failure replays them with the
-  // new processes of the round (reform/fsdp_reform.cpp): the model digest all-gathered, and the
-  // tensors syncModuleStates broadcast (their shapes and kinds).
+  // The collective of construction, kept so that a survivor of a failure replays it with the new
+  // processes of the round (reform/fsdp_reform.cpp): the model digest all-gathered. Where it
+  // finds a survivor, syncModuleStates broadcasts nothing (the restore writes every parameter
+  // and buffer), so that is all a survivor replays.
   at::Tensor constructionDigest_;
-  std::vector<at::TensorOptions> constructionBroadcasts_;
-  std::vector<std::vector<std::int64_t>> constructionShapes_;
+  bool joinsSurvivors_ = false;
 
   // After the communicators were aborted mid-step: drops what the step left (gathers,
   // reductions, full gradients and parameters) without waiting on any of it.
   void abandonAfterAbort();
-  // Issues the collectives of construction again, over the new round's communicators, as a new
-  // process's constructor does; what the broadcasts bring is dropped (a restore follows).
+  // Issues the collective of construction again, over the new round's communicators, as a new
+  // process's constructor does; as a survivor, which tells the new processes to skip their
+  // broadcast of rank 0's weights (a restore follows, and writes them).
   void replayConstruction();
   // After the communicators were rebuilt for a new round: the shard group, this rank's place in
   // it, and, when the group's size changed (a node lost or added), every flat parameter laid

@@ -1,5 +1,5 @@
 // FSDP's side of an in-process re-formation (reform.hpp): the interrupted step dropped, the
-// collectives of construction replayed with the round's new processes, the shards laid out
+// collective of construction replayed with the round's new processes (as a survivor), the shards laid out
 // again when the world changed size.
 #include <ATen/Functions.h>
 
@@ -34,14 +34,8 @@ void FsdpState::abandonAfterAbort() {
 }
 
 void FsdpState::replayConstruction() {
-  if (constructionDigest_.defined()) compareModelDigests(comm_, constructionDigest_);
-  if (comm_.size() == 1) return;
-  at::NoGradGuard noGrad;
-  const CommTag tag("init", "sync module states (re-formed)");
-  for (std::size_t i = 0; i < constructionBroadcasts_.size(); ++i) {
-    auto scratch = at::zeros(constructionShapes_[i], constructionBroadcasts_[i]);
-    comm_.broadcast(scratch, 0).wait();
-  }
+  // As a survivor: the new processes' constructors then broadcast nothing (builder.cpp).
+  if (constructionDigest_.defined()) compareModelDigests(comm_, constructionDigest_, /*survivor=*/true);
 }
 
 bool FsdpState::relayout() {

@@ -32,7 +32,9 @@
 // The contract: between building the FSDP model and the restore, a survivor issues exactly the
 // collectives a new process issues there (reform() replays FSDP's constructor's; the program
 // repeats what it does after it: the Snapshotter's agreement (rejoin()), the restore). Its own
-// state is not copied when it lies in the snapshot restored (its memory is that snapshot's). Training resumes from the
+// state is not copied when it lies in the snapshot restored (its memory is that snapshot's). A
+// new process's weights before the restore are its own (syncModuleStates is not broadcast in a
+// round with survivors): do not read them. Training resumes from the
 // restored step on every rank: the survivor's loop must take the step, the data position and
 // the RNG from what restore() returned, as a new process does; and its rank and world from the
 // runtime again (rt->rank(), rt->worldSize(): a data sampler built on them is built again).
@@ -96,8 +98,10 @@ struct ReformInfo {
 
 // The new round: waits for it (the agent sends it once every node has joined), takes its
 // environment, rebuilds the runtime's communicators and the store connection where it moved,
-// drops what the interrupted step left in `model`, issues FSDP's collectives of construction
-// with the round's new processes, and, when the world changed size, lays the shards out for
+// drops what the interrupted step left in `model`, issues FSDP's collective of construction
+// (the model check) with the round's new processes, as a survivor: their constructors then do
+// not broadcast rank 0's weights (syncModuleStates), the restore writes every parameter and
+// buffer on every rank. When the world changed size, it lays the shards out for
 // it: their values and the optimizer's state for them are then the restore's to write (until
 // it, the optimizer holds state of the old size: restore before stepping). Throws ReformError when this process cannot go
 // on (see above), other errors when the new round fails; either way the process should end.
