@@ -264,6 +264,10 @@ TEST_F(Reform, ASecondKillDuringTheReformationFallsBackToProcessRestartsAndTheJo
   ASSERT_EQ(r.exitCode, 0) << r.err;
   EXPECT_EQ(summaryOf(r.out).value("params_sha256", ""), reference_) << r.out;
   EXPECT_EQ(summaryOf(r.out).value("steps", 0), kSteps);
+  // Rank 0, re-forming too, is named with the reason that holds (not "not in a training loop").
+  EXPECT_NE(r.err.find("rank(s) 0 restart as processes: a second failure while they re-formed in process"),
+            std::string::npos)
+      << r.err;
 }
 
 // A survivor stopped (SIGSTOP) while the others re-form: the round waits for it until the hang

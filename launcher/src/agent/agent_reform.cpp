@@ -34,10 +34,13 @@ std::set<int> Agent::keepSurvivors(WorkerGroup& group, const std::string& why, c
   }
   for (int r : stopped) keep.erase(r);
   const int offset = last_ ? last_->rankOffset : 0;
-  // What cannot survive in process says why, one line for them all.
+  // What cannot survive in process says why, one line for each reason.
+  const std::set<int> reforming = group.reforming();
+  std::set<int> secondFailure;
   std::set<int> others;
   for (int r : group.runningLocalRanks()) {
-    if (!keep.contains(r) && !stuck.contains(r) && !stopped.contains(r)) others.insert(r);
+    if (keep.contains(r) || stuck.contains(r) || stopped.contains(r)) continue;
+    (reforming.contains(r) ? secondFailure : others).insert(r);
   }
   if (!keep.empty()) {
     group.notifyAbort(keep, why);
@@ -48,10 +51,15 @@ std::set<int> Agent::keepSurvivors(WorkerGroup& group, const std::string& why, c
     log::warn("rank(s) {} restart as processes: stopped (SIGSTOP or SIGTSTP), they cannot re-form in process",
               rankList(stopped, offset));
   }
+  if (!secondFailure.empty()) {
+    log::warn("rank(s) {} restart as processes: a second failure while they re-formed in process (their round had not "
+              "resumed training)",
+              rankList(secondFailure, offset));
+  }
   if (!others.empty()) {
     log::warn("rank(s) {} restart as processes: not in a training loop that re-forms in process (a program without "
               "libfsdp's Trainer or ReformScope, a PyTorch script, a model the runtime cannot rebuild (HYBRID_SHARD), no "
-              "snapshot or checkpoint to restore, still starting, or already re-forming)",
+              "snapshot or checkpoint to restore, or still starting)",
               rankList(others, offset));
   }
   return keep;

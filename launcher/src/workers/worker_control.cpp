@@ -53,6 +53,7 @@ void WorkerGroup::readControl(Worker& w) {
       w.deviceMemory = it->get<bool>();
     }
     if (const auto it = message.find("reformed"); it != message.end() && it->is_object()) {
+      w.reforming = false;
       log::info("rank {} (pid {}) re-formed in process: round {}", w.spec.rank, w.process ? w.process->pid() : -1,
                 it->value("round", -1));
     }
@@ -63,6 +64,14 @@ std::set<int> WorkerGroup::reformable() const {
   std::set<int> out;
   for (const auto& w : workers_) {
     if (w.ready && w.control >= 0 && w.process && !w.reported && !w.exitTold) out.insert(w.spec.localRank);
+  }
+  return out;
+}
+
+std::set<int> WorkerGroup::reforming() const {
+  std::set<int> out;
+  for (const auto& w : workers_) {
+    if (w.reforming && w.process && !w.reported && !w.exitTold) out.insert(w.spec.localRank);
   }
   return out;
 }
@@ -80,6 +89,7 @@ void WorkerGroup::notifyAbort(const std::set<int>& localRanks, const std::string
     if (!localRanks.contains(w.spec.localRank)) continue;
     // Not ready from now on: a second failure before it re-formed costs it its process.
     w.ready = false;
+    w.reforming = true;
     if (!sendControl(w.control, {{"abort", why}})) {
       log::warn("rank {}: its control channel is gone; it is stopped instead", w.spec.rank);
       if (w.process && !w.process->reaped()) w.process->signal(SIGTERM);
@@ -108,6 +118,7 @@ void WorkerGroup::clearSlot(std::size_t index) {
   w.control = -1;
   w.activation = -1;
   w.ready = false;
+  w.reforming = false;
   w.lifeline.reset();
   w.tail.clear();
   w.partial.clear();

@@ -101,6 +101,8 @@ class WorkerGroup {
   // survives a failure elsewhere (a libfsdp loop in a ReformScope, not re-forming already).
   std::set<int> reformable() const;
   std::set<int> runningLocalRanks() const;
+  // The local ranks told to re-form in process (notifyAbort()) that have not said they re-formed.
+  std::set<int> reforming() const;
   // Tells these workers that the round ended: they abort their communicators and wait.
   void notifyAbort(const std::set<int>& localRanks, const std::string& why);
   // The new round: each of `kept` (still running) gets what changed in its environment and goes
@@ -148,6 +150,7 @@ class WorkerGroup {
     int activation = -1;           // a standby's pipe (write end) until activate()
     int control = -1;              // the control channel (agent's end), -1: none
     bool ready = false;            // it said it survives a failure elsewhere in process
+    bool reforming = false;        // told to re-form in process, not re-formed yet
     bool deviceMemory = true;      // it may hold GPU memory (unless its program said not)
     // Exiting, and all it holds the kernel frees without anyone waiting for its reap.
     bool freesItselfUnreaped() const { return exitTold && !deviceMemory; }
