@@ -335,4 +335,82 @@ TEST_F(Reform, AHangKillsTheStuckRankAndTheOthersReformInProcess) {
   EXPECT_EQ(resume->value("path", ""), "in_process");
 }
 
+
+// ---- a hand-written loop (reform.hpp's example): reform_loop_worker.cpp ----------------------
+
+struct LoopRun {
+  int exitCode = -1;
+  std::string err;
+  std::map<int, std::pair<std::string, int>> finals;  // rank -> (state hash, pid at the end)
+  std::map<int, int> firstPids;                        // rank -> pid of its first attempt
+};
+
+LoopRun runLoop(const std::string& mode, int killStep, const std::vector<std::string>& extra = {}) {
+  TempDir dir;
+  std::vector<std::string> argv = {kBin + "/fsdprun", "--nproc_per_node", "3", "--max_restarts", "3",
+                                   "--restart_mode", mode, "--rdzv_id", "loop-" + std::to_string(::getpid()),
+                                   kBin + "/reform_loop_worker", dir.path(), "60", std::to_string(killStep)};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  const auto r = runCommand(argv, kBound, {"FSDP_LOG_LEVEL=debug", "TMPDIR=" + dir.path()});
+  LoopRun run{r.exitCode, r.err, {}, {}};
+  for (int rank = 0; rank < 3; ++rank) {
+    std::istringstream final(readFile(dir.path() + "/final_" + std::to_string(rank)));
+    std::string hash;
+    int pid = 0;
+    if (final >> hash >> pid) run.finals[rank] = {hash, pid};
+    std::istringstream first(readFile(dir.path() + "/start_" + std::to_string(rank) + "_0"));
+    if (first >> pid) run.firstPids[rank] = pid;
+  }
+  return run;
+}
+
+// The loop of reform.hpp, rank 1 killed after step 25 of 60: ranks 0 and 2 keep their processes
+// and end where an uninterrupted run and a process-mode run end, state hash for state hash. The
+// new rank 1's own weights differ (seeded by the restart count) and its constructor broadcasts
+// none of rank 0's (survivors are in its round): its restore wrote every shard, the frozen
+// layer's too, and the BatchNorm's buffers.
+TEST(ReformLoop, AHandWrittenLoopReformsInProcessAndEndsAsTheUninterruptedRun) {
+  const auto reference = runLoop("auto", 0);
+  ASSERT_EQ(reference.exitCode, 0) << reference.err;
+  ASSERT_EQ(reference.finals.size(), 3u) << reference.err;
+  const auto survived = runLoop("auto", 25);
+  ASSERT_EQ(survived.exitCode, 0) << survived.err;
+  const auto restarted = runLoop("process", 25);
+  ASSERT_EQ(restarted.exitCode, 0) << restarted.err;
+  for (int rank = 0; rank < 3; ++rank) {
+    SCOPED_TRACE("rank " + std::to_string(rank));
+    EXPECT_EQ(survived.finals.at(rank).first, reference.finals.at(rank).first) << survived.err;
+    EXPECT_EQ(restarted.finals.at(rank).first, reference.finals.at(rank).first) << restarted.err;
+    EXPECT_NE(restarted.finals.at(rank).second, restarted.firstPids.at(rank)) << "process mode restarts it";
+  }
+  EXPECT_EQ(survived.finals.at(0).second, survived.firstPids.at(0)) << "rank 0 kept its process";
+  EXPECT_EQ(survived.finals.at(2).second, survived.firstPids.at(2)) << "rank 2 kept its process";
+  EXPECT_NE(survived.finals.at(1).second, survived.firstPids.at(1)) << "rank 1 is a new process";
+  EXPECT_NE(survived.err.find("rank(s) 0, 2 re-form in process; 1 worker(s) start as new processes"),
+            std::string::npos)
+      << survived.err;
+  EXPECT_NE(survived.err.find("rank 1: survivors of an earlier round re-form with this process"), std::string::npos)
+      << survived.err;
+}
+
+// A second FSDP model over the runtime's communicator (a frozen teacher): no re-formation can
+// carry it, so ReformScope(rt, model) does not tell the agent this loop survives; rank 0 says
+// why once, every process restarts, and the job still ends as its uninterrupted run does.
+TEST(ReformLoop, ASecondFsdpModelRestartsEveryProcessAndSaysWhy) {
+  const auto reference = runLoop("auto", 0, {"--second_model"});
+  ASSERT_EQ(reference.exitCode, 0) << reference.err;
+  const auto run = runLoop("auto", 25, {"--second_model"});
+  ASSERT_EQ(run.exitCode, 0) << run.err;
+  EXPECT_NE(run.err.find("rank 0: a failure elsewhere restarts this process too: 2 FSDP models over the runtime's "
+                         "comm()"),
+            std::string::npos)
+      << run.err;
+  EXPECT_EQ(run.err.find("re-form in process;"), std::string::npos) << run.err;
+  for (int rank = 0; rank < 3; ++rank) {
+    SCOPED_TRACE("rank " + std::to_string(rank));
+    EXPECT_EQ(run.finals.at(rank).first, reference.finals.at(rank).first) << run.err;
+    EXPECT_NE(run.finals.at(rank).second, run.firstPids.at(rank)) << "every process restarted";
+  }
+}
+
 }  // namespace

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <mutex>
 #include <unordered_set>
 
 #include "builder.hpp"
@@ -11,6 +13,24 @@
 #include "fsdp/worker/flight_recorder.hpp"
 
 namespace fsdp::worker {
+
+namespace detail {
+namespace {
+std::mutex modelsMutex;
+std::map<const Communicator*, int> models;
+}  // namespace
+
+int liveModelsOver(const Communicator& comm) {
+  std::scoped_lock lock(modelsMutex);
+  const auto it = models.find(&comm);
+  return it == models.end() ? 0 : it->second;
+}
+
+void countModel(const Communicator& comm, int delta) {
+  std::scoped_lock lock(modelsMutex);
+  if ((models[&comm] += delta) <= 0) models.erase(&comm);
+}
+}  // namespace detail
 
 FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(std::shared_ptr<UnitImpl> root,
                                                            Communicator& comm,
@@ -31,9 +51,11 @@ FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(std::shared_ptr<UnitI
       register_parameter(name, flat.shard, flat.requiresGrad);
     }
   }
+  detail::countModel(state_->comm_, +1);
 }
 
 FullyShardedDataParallelImpl::~FullyShardedDataParallelImpl() {
+  detail::countModel(state_->comm_, -1);
   for (const auto& [node, key] : state_->hookKeys_) node->del_post_hook(key);
   for (auto& unit : state_->units_) unit.module->state_ = nullptr;
 }

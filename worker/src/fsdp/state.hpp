@@ -172,4 +172,10 @@ class FsdpState {
   void abandonBackward();
 };
 
+// The FSDP models alive in this process over `comm` (counted by their constructors and
+// destructors): an in-process re-formation rebuilds one model's state (reform.hpp), so a process
+// with two over the runtime's communicator (a GAN's, a teacher beside its student) cannot re-form.
+int liveModelsOver(const Communicator& comm);
+void countModel(const Communicator& comm, int delta);
+
 }  // namespace fsdp::worker::detail

@@ -4,6 +4,7 @@
 
 #include <ATen/Context.h>
 
+#include <atomic>
 #include <cstdlib>
 
 #include "comm/recorded_communicator.hpp"
@@ -97,10 +98,47 @@ void disableReformation(Runtime& runtime) { RuntimeReform::disable(runtime); }
 
 }  // namespace detail
 
+namespace {
+
+// Why `model` cannot go through a re-formation ("" when it can).
+std::string whyNot(Runtime& runtime, FullyShardedDataParallel& model) {
+  if (!detail::ReformControl::process().active()) return "no agent control channel (not under fsdprun --restart_mode auto)";
+  auto& state = detail::RuntimeReform::state(model);
+  if (state.options_.shardGroup != nullptr || state.options_.replicateGroup != nullptr) {
+    return "the model's HYBRID_SHARD groups are the program's, not the runtime's: they cannot be rebuilt here";
+  }
+  if (&state.comm_ != &runtime.comm()) return "the model's communicator is not the runtime's comm(): it cannot be rebuilt here";
+  if (const int models = detail::liveModelsOver(runtime.comm()); models > 1) {
+    return std::to_string(models) +
+           " FSDP models over the runtime's comm(): a re-formation rebuilds one model's state, the others' would pair "
+           "no collective with a new process's constructors";
+  }
+  return "";
+}
+
+}  // namespace
+
 ReformScope::ReformScope(Runtime& runtime) {
   (void)runtime;
   auto& control = detail::ReformControl::process();
   if (!control.active()) return;
+  active_ = true;
+  control.setReady(true);
+}
+
+ReformScope::ReformScope(Runtime& runtime, FullyShardedDataParallel& model) {
+  auto& control = detail::ReformControl::process();
+  if (!control.active()) return;
+  if (const auto why = whyNot(runtime, model); !why.empty()) {
+    // Once a process (a Trainer enters a scope each round): the agent's own line only says this
+    // worker was not in a loop that re-forms.
+    static std::atomic<bool> said{false};
+    if (!said.exchange(true)) {
+      const auto text = fmt::format("rank {}: a failure elsewhere restarts this process too: {}", runtime.rank(), why);
+      runtime.rank() == 0 ? log::warn("{}", text) : log::info("{}", text);
+    }
+    return;
+  }
   active_ = true;
   control.setReady(true);
 }
@@ -119,20 +157,6 @@ bool reformPending(Runtime& runtime, std::chrono::milliseconds bound) {
   return control.awaitAbort(bound);
 }
 
-namespace {
-
-// Why `model` cannot go through a re-formation ("" when it can).
-std::string whyNot(Runtime& runtime, FullyShardedDataParallel& model) {
-  if (!detail::ReformControl::process().active()) return "no agent control channel (not under fsdprun --restart_mode auto)";
-  auto& state = detail::RuntimeReform::state(model);
-  if (state.options_.shardGroup != nullptr || state.options_.replicateGroup != nullptr) {
-    return "the model's HYBRID_SHARD groups are the program's, not the runtime's: they cannot be rebuilt here";
-  }
-  if (&state.comm_ != &runtime.comm()) return "the model's communicator is not the runtime's comm(): it cannot be rebuilt here";
-  return "";
-}
-
-}  // namespace
 
 bool canReform(Runtime& runtime, FullyShardedDataParallel& model) { return whyNot(runtime, model).empty(); }
 

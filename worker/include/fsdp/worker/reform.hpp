@@ -14,7 +14,7 @@
 //   torch::optim::Adam optimizer(model->parameters());
 //   auto snapshots = std::make_unique<fsdp::Snapshotter>(*rt);
 //   auto resumed = snapshots->restore(model, &optimizer);        // a new process starts here
-//   fsdp::ReformScope scope(*rt);                                 // survivable from here on
+//   fsdp::ReformScope scope(*rt, model);                          // survivable from here on
 //   for (;;) {
 //     try {
 //       ... the steps, snapshots->step(...) and snapshots->save(...) after each ...
@@ -42,7 +42,8 @@
 // What still restarts processes (the agent says why in one line): the failed process itself; a
 // worker outside a ReformScope (a PyTorch script, a program that does not use this) or already
 // re-forming (a second failure during a re-formation); a new round in which this worker's
-// local rank changed; HYBRID_SHARD's extra groups; a re-formation
+// local rank changed; HYBRID_SHARD's extra groups; a second FSDP model over the runtime's
+// communicator; a re-formation
 // that fails (reform() or the restore throws: the process ends, the agent starts a new one).
 
 #include <chrono>
@@ -63,9 +64,12 @@ class ReformError : public Error {
 
 // While one lives, this process tells its agent that a failure elsewhere is survived here (a
 // loop that catches it and calls reform() runs). Nothing happens outside fsdprun's auto mode.
+// Given the model, only where canReform(runtime, model) holds; where it does not, it says why
+// (once a process: a warning on rank 0) and a failure elsewhere restarts this process.
 class ReformScope {
  public:
   explicit ReformScope(Runtime& runtime);
+  ReformScope(Runtime& runtime, FullyShardedDataParallel& model);
   ~ReformScope();
   ReformScope(const ReformScope&) = delete;
   ReformScope& operator=(const ReformScope&) = delete;
@@ -75,8 +79,10 @@ class ReformScope {
 };
 
 // Whether `model` can be carried through a re-formation here: under an agent's control channel,
-// and its collectives on the runtime's own communicator (not HYBRID_SHARD's groups, which the
-// program built). A loop enters its ReformScope only where this holds.
+// its collectives on the runtime's own communicator (not HYBRID_SHARD's groups, which the
+// program built), and the only FSDP model over it in this process (reform() rebuilds one model's
+// state: a GAN's two, a teacher beside its student cannot re-form). A loop enters its
+// ReformScope only where this holds (ReformScope(runtime, model) checks it).
 bool canReform(Runtime& runtime, FullyShardedDataParallel& model);
 
 // After a step threw: whether the world is re-forming (the agent's notice came). When the error

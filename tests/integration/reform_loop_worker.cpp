@@ -1,0 +1,111 @@
+// A hand-written training loop that survives failures in process as reform.hpp's example does
+// (run under fsdprun by reform_test.cpp):
+//   reform_loop_worker OUT_DIR STEPS KILL_STEP [--second_model]
+// The model has a frozen first layer (a unit of its own), a BatchNorm (buffers) and trains with
+// Adam through a Snapshotter; its initial weights are seeded by the restart count, so a new
+// process's own weights differ from the job's until its restore. Rank 1 SIGKILLs itself after
+// step KILL_STEP on the first attempt (0: never). --second_model: a frozen teacher, a second
+// FSDP model over the runtime's communicator, which no re-formation can carry.
+// Each rank writes OUT_DIR/start_<rank>_<restart> (its pid) when it starts and, at the end,
+// OUT_DIR/final_<rank>: a hash of its shards, optimizer state and buffers, and its pid.
+#include <ATen/Functions.h>
+#include <signal.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adam.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <optional>
+#include <string>
+
+#include "fsdp/worker/reform.hpp"
+#include "fsdp/worker/runtime.hpp"
+#include "fsdp/worker/snapshot.hpp"
+
+namespace {
+
+std::uint64_t fnv(std::uint64_t h, const at::Tensor& t) {
+  const auto c = t.detach().to(at::kCPU).contiguous();
+  const auto* p = static_cast<const unsigned char*>(c.data_ptr());
+  for (std::int64_t i = 0; i < static_cast<std::int64_t>(c.nbytes()); ++i) h = (h ^ p[i]) * 1099511628211ULL;
+  return h;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 4) {
+    std::fprintf(stderr, "usage: reform_loop_worker OUT_DIR STEPS KILL_STEP [--second_model]\n");
+    return 2;
+  }
+  const std::string out = argv[1];
+  const int steps = std::stoi(argv[2]);
+  const int killStep = std::stoi(argv[3]);
+  const bool secondModel = argc > 4 && std::string(argv[4]) == "--second_model";
+  auto rt = fsdp::init();
+  std::ofstream(out + "/start_" + std::to_string(rt->rank()) + "_" + std::to_string(rt->env().restartCount))
+      << ::getpid() << "\n";
+
+  torch::manual_seed(7 + rt->env().restartCount);
+  torch::nn::Sequential net(torch::nn::Linear(24, 48), torch::nn::BatchNorm1d(48), torch::nn::ReLU(),
+                            torch::nn::Linear(48, 40), torch::nn::Tanh(), torch::nn::Linear(40, 3));
+  for (auto& p : net[0]->parameters()) p.set_requires_grad(false);
+  fsdp::FsdpOptions options{.syncModuleStates = true};
+  options.autoWrap = fsdp::AutoWrapPolicy::minParams(1);
+  fsdp::FullyShardedDataParallel model(net, rt->comm(), options);
+  std::optional<fsdp::FullyShardedDataParallel> teacher;
+  if (secondModel) {
+    torch::manual_seed(11);
+    torch::nn::Sequential t(torch::nn::Linear(24, 3));
+    for (auto& p : t->parameters()) p.set_requires_grad(false);
+    teacher.emplace(t, rt->comm(), fsdp::FsdpOptions{.syncModuleStates = true});
+  }
+  torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(1e-2));
+  auto snapshots = std::make_unique<fsdp::Snapshotter>(*rt);
+  std::int64_t step = 0;
+  if (const auto resumed = snapshots->restore(model, &optimizer)) step = resumed->step;
+
+  fsdp::ReformScope scope(*rt, model);
+  for (;;) {
+    try {
+      while (step < steps) {
+        torch::manual_seed(100 + 1000 * rt->rank() + step);  // each step's input from the step alone
+        const auto x = at::randn({8, 24});
+        optimizer.zero_grad();
+        auto y = model->forward(x);
+        if (teacher) y = y - (*teacher)->forward(x);
+        y.pow(2).mean().backward();
+        snapshots->step(model, optimizer);
+        ++step;
+        snapshots->save(model, &optimizer, {.step = step});
+        if (step == killStep && rt->rank() == 1 && rt->env().restartCount == 0) ::kill(::getpid(), SIGKILL);
+      }
+      break;
+    } catch (const std::exception& e) {
+      if (!fsdp::reformPending(*rt)) throw;
+      snapshots->wait();
+      fsdp::reform(*rt, model);
+      snapshots->rejoin();
+      const auto resumed = snapshots->restore(model, &optimizer);
+      if (!resumed) throw;
+      step = resumed->step;
+      fsdp::reformDone(*rt);
+    }
+  }
+  snapshots->wait();
+  std::uint64_t h = 1469598103934665603ULL;
+  for (const auto& p : model->parameters()) {
+    h = fnv(h, p);
+    const auto it = optimizer.state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+    if (it == optimizer.state().end()) continue;
+    const auto& adam = static_cast<const torch::optim::AdamParamState&>(*it->second);
+    h = fnv(fnv(h, adam.exp_avg()), adam.exp_avg_sq());
+  }
+  for (const auto& b : model->buffers()) h = fnv(h, b);
+  std::ofstream(out + "/final_" + std::to_string(rt->rank())) << std::hex << h << std::dec << " " << ::getpid() << "\n";
+  return 0;
+}
