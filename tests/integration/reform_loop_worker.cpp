@@ -25,13 +25,15 @@
 #include "fsdp/worker/reform.hpp"
 #include "fsdp/worker/runtime.hpp"
 #include "fsdp/worker/snapshot.hpp"
+#include "fsdp/worker/torch_compat.hpp"
 
 namespace {
 
 std::uint64_t fnv(std::uint64_t h, const at::Tensor& t) {
   const auto c = t.detach().to(at::kCPU).contiguous();
   const auto* p = static_cast<const unsigned char*>(c.data_ptr());
-  for (std::int64_t i = 0; i < static_cast<std::int64_t>(c.nbytes()); ++i) h = (h ^ p[i]) * 1099511628211ULL;
+  const auto bytes = static_cast<std::int64_t>(c.nbytes());
+  for (std::int64_t i = 0; i < bytes; ++i) h = (h ^ p[i]) * 1099511628211ULL;
   return h;
 }
 
@@ -47,12 +49,15 @@ int main(int argc, char** argv) {
   const int killStep = std::stoi(argv[3]);
   const bool secondModel = argc > 4 && std::string(argv[4]) == "--second_model";
   auto rt = fsdp::init();
-  std::ofstream(out + "/start_" + std::to_string(rt->rank()) + "_" + std::to_string(rt->env().restartCount))
+  const int rank = rt->rank();
+  const int restart = rt->env().restartCount;
+  std::ofstream(out + "/start_" + std::to_string(rank) + "_" + std::to_string(restart))
       << ::getpid() << "\n";
 
-  torch::manual_seed(7 + rt->env().restartCount);
-  torch::nn::Sequential net(torch::nn::Linear(24, 48), torch::nn::BatchNorm1d(48), torch::nn::ReLU(),
-                            torch::nn::Linear(48, 40), torch::nn::Tanh(), torch::nn::Linear(40, 3));
+  torch::manual_seed(7 + restart);
+  torch::nn::Sequential net(torch::nn::Linear(24, 48), torch::nn::BatchNorm1d(48),
+                            torch::nn::ReLU(), torch::nn::Linear(48, 40), torch::nn::Tanh(),
+                            torch::nn::Linear(40, 3));
   for (auto& p : net[0]->parameters()) p.set_requires_grad(false);
   fsdp::FsdpOptions options{.syncModuleStates = true};
   options.autoWrap = fsdp::AutoWrapPolicy::minParams(1);
@@ -73,7 +78,7 @@ int main(int argc, char** argv) {
   for (;;) {
     try {
       while (step < steps) {
-        torch::manual_seed(100 + 1000 * rt->rank() + step);  // each step's input from the step alone
+        torch::manual_seed(100 + 1000 * rank + step);  // each step's input from the step alone
         const auto x = at::randn({8, 24});
         optimizer.zero_grad();
         auto y = model->forward(x);
@@ -82,7 +87,7 @@ int main(int argc, char** argv) {
         snapshots->step(model, optimizer);
         ++step;
         snapshots->save(model, &optimizer, {.step = step});
-        if (step == killStep && rt->rank() == 1 && rt->env().restartCount == 0) ::kill(::getpid(), SIGKILL);
+        if (step == killStep && rank == 1 && restart == 0) ::kill(::getpid(), SIGKILL);
       }
       break;
     } catch (const std::exception& e) {
@@ -100,12 +105,14 @@ int main(int argc, char** argv) {
   std::uint64_t h = 1469598103934665603ULL;
   for (const auto& p : model->parameters()) {
     h = fnv(h, p);
-    const auto it = optimizer.state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+    const auto key = fsdp::worker::compat::optimizerStateKey(optimizer.state(), p);
+    const auto it = optimizer.state().find(key);
     if (it == optimizer.state().end()) continue;
     const auto& adam = static_cast<const torch::optim::AdamParamState&>(*it->second);
     h = fnv(fnv(h, adam.exp_avg()), adam.exp_avg_sq());
   }
   for (const auto& b : model->buffers()) h = fnv(h, b);
-  std::ofstream(out + "/final_" + std::to_string(rt->rank())) << std::hex << h << std::dec << " " << ::getpid() << "\n";
+  std::ofstream(out + "/final_" + std::to_string(rt->rank()))
+      << std::hex << h << std::dec << " " << ::getpid() << "\n";
   return 0;
 }

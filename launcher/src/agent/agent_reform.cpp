@@ -52,14 +52,15 @@ std::set<int> Agent::keepSurvivors(WorkerGroup& group, const std::string& why, c
               rankList(stopped, offset));
   }
   if (!secondFailure.empty()) {
-    log::warn("rank(s) {} restart as processes: a second failure while they re-formed in process (their round had not "
-              "resumed training)",
+    log::warn("rank(s) {} restart as processes: a second failure while they re-formed in process "
+              "(their round had not resumed training)",
               rankList(secondFailure, offset));
   }
   if (!others.empty()) {
-    log::warn("rank(s) {} restart as processes: not in a training loop that re-forms in process (a program without "
-              "libfsdp's Trainer or ReformScope, a PyTorch script, a model the runtime cannot rebuild (HYBRID_SHARD), no "
-              "snapshot or checkpoint to restore, or still starting)",
+    log::warn("rank(s) {} restart as processes: not in a training loop that re-forms in process "
+              "(a program without libfsdp's Trainer or ReformScope, a PyTorch script, a model the "
+              "runtime cannot rebuild (HYBRID_SHARD, a second FSDP model: the worker says which), "
+              "no snapshot or checkpoint to restore, or still starting)",
               rankList(others, offset));
   }
   return keep;

@@ -169,10 +169,11 @@ void FsdpBuilder::checkSameModelEverywhere() {
   mine[2] = static_cast<std::int64_t>(originals_.size());
   mine[3] = numel;
   state_.constructionDigest_ = mine;
-  state_.joinsSurvivors_ = compareModelDigests(comm, mine, /*survivor=*/false);
+  state_.joinsSurvivors_ = compareModelDigests(comm, mine, CheckedBy::kConstructor);
 }
 
-bool compareModelDigests(Communicator& comm, const at::Tensor& mine, bool survivor) {
+bool compareModelDigests(Communicator& comm, const at::Tensor& mine, CheckedBy by) {
+  const bool survivor = by == CheckedBy::kSurvivor;
   constexpr int kWords = 4;  // compared; a fifth: this rank is a survivor
   if (comm.size() == 1) return survivor;
   // On the communicator's device (NCCL takes CUDA tensors only), read back on the host.
@@ -183,7 +184,9 @@ bool compareModelDigests(Communicator& comm, const at::Tensor& mine, bool surviv
   all = all.to(at::kCPU);
   const auto* words = all.data_ptr<std::int64_t>();
   bool survivors = false;
-  for (int r = 0; r < comm.size(); ++r) survivors = survivors || words[r * (kWords + 1) + kWords] != 0;
+  for (int r = 0; r < comm.size(); ++r) {
+    survivors = survivors || words[r * (kWords + 1) + kWords] != 0;
+  }
   for (int r = 1; r < comm.size(); ++r) {
     const auto* theirs = words + static_cast<std::ptrdiff_t>(r) * (kWords + 1);
     if (!std::equal(theirs, theirs + kWords, words)) {
@@ -205,8 +208,9 @@ void FsdpBuilder::syncModuleStates() {
   // weights would only be overwritten. The whole model's size not copied twice is most of what
   // a re-formation costs (DeepNet, 376 MB: 60-160 ms of a 2-core host's re-formation).
   if (state_.joinsSurvivors_) {
-    log::debug("rank {}: survivors of an earlier round re-form with this process: rank 0's weights are not broadcast "
-               "(the restore writes them)", comm.rank());
+    log::debug("rank {}: survivors of an earlier round re-form with this process: rank 0's "
+               "weights are not broadcast (the restore writes them)",
+               comm.rank());
     return;
   }
   at::NoGradGuard noGrad;

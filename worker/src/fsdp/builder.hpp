@@ -19,7 +19,8 @@ namespace fsdp::worker::detail {
 // differs. Construction, and its replay after a re-formation. Returns whether any rank of the
 // group is such a survivor: the round's state then comes from a restore (reform.hpp), not from
 // rank 0's weights.
-bool compareModelDigests(Communicator& comm, const at::Tensor& mine, bool survivor);
+enum class CheckedBy { kConstructor, kSurvivor };
+bool compareModelDigests(Communicator& comm, const at::Tensor& mine, CheckedBy by);
 
 class FsdpBuilder {
  public:

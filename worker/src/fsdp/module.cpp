@@ -4,8 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <map>
-#include <mutex>
+#include <atomic>
 #include <unordered_set>
 
 #include "builder.hpp"
@@ -16,20 +15,15 @@ namespace fsdp::worker {
 
 namespace detail {
 namespace {
-std::mutex modelsMutex;
-std::map<const Communicator*, int> models;
+// The process's count, as the flight recorder and the control channel are the process's.
+std::atomic<int>& models() {
+  static std::atomic<int> count{0};
+  return count;
+}
 }  // namespace
 
-int liveModelsOver(const Communicator& comm) {
-  std::scoped_lock lock(modelsMutex);
-  const auto it = models.find(&comm);
-  return it == models.end() ? 0 : it->second;
-}
-
-void countModel(const Communicator& comm, int delta) {
-  std::scoped_lock lock(modelsMutex);
-  if ((models[&comm] += delta) <= 0) models.erase(&comm);
-}
+int liveModels() { return models().load(); }
+void countModel(int delta) { models() += delta; }
 }  // namespace detail
 
 FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(std::shared_ptr<UnitImpl> root,
@@ -51,11 +45,11 @@ FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(std::shared_ptr<UnitI
       register_parameter(name, flat.shard, flat.requiresGrad);
     }
   }
-  detail::countModel(state_->comm_, +1);
+  detail::countModel(+1);
 }
 
 FullyShardedDataParallelImpl::~FullyShardedDataParallelImpl() {
-  detail::countModel(state_->comm_, -1);
+  detail::countModel(-1);
   for (const auto& [node, key] : state_->hookKeys_) node->del_post_hook(key);
   for (auto& unit : state_->units_) unit.module->state_ = nullptr;
 }

@@ -172,10 +172,10 @@ class FsdpState {
   void abandonBackward();
 };
 
-// The FSDP models alive in this process over `comm` (counted by their constructors and
-// destructors): an in-process re-formation rebuilds one model's state (reform.hpp), so a process
-// with two over the runtime's communicator (a GAN's, a teacher beside its student) cannot re-form.
-int liveModelsOver(const Communicator& comm);
-void countModel(const Communicator& comm, int delta);
+// The FSDP models alive in this process, over any communicator (counted by their constructors
+// and destructors): an in-process re-formation rebuilds one model's state (reform.hpp), so a
+// process with two (a GAN's, a teacher beside its student, on comm() or cpuComm()) cannot re-form.
+int liveModels();
+void countModel(int delta);
 
 }  // namespace fsdp::worker::detail

@@ -1,6 +1,6 @@
 // FSDP's side of an in-process re-formation (reform.hpp): the interrupted step dropped, the
-// collective of construction replayed with the round's new processes (as a survivor), the shards laid out
-// again when the world changed size.
+// collective of construction replayed with the round's new processes (as a survivor), the
+// shards laid out again when the world changed size.
 #include <ATen/Functions.h>
 
 #include <algorithm>
@@ -35,7 +35,9 @@ void FsdpState::abandonAfterAbort() {
 
 void FsdpState::replayConstruction() {
   // As a survivor: the new processes' constructors then broadcast nothing (builder.cpp).
-  if (constructionDigest_.defined()) compareModelDigests(comm_, constructionDigest_, /*survivor=*/true);
+  if (constructionDigest_.defined()) {
+    compareModelDigests(comm_, constructionDigest_, CheckedBy::kSurvivor);
+  }
 }
 
 bool FsdpState::relayout() {

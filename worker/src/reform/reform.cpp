@@ -102,16 +102,21 @@ namespace {
 
 // Why `model` cannot go through a re-formation ("" when it can).
 std::string whyNot(Runtime& runtime, FullyShardedDataParallel& model) {
-  if (!detail::ReformControl::process().active()) return "no agent control channel (not under fsdprun --restart_mode auto)";
+  if (!detail::ReformControl::process().active()) {
+    return "no agent control channel (not under fsdprun --restart_mode auto)";
+  }
   auto& state = detail::RuntimeReform::state(model);
   if (state.options_.shardGroup != nullptr || state.options_.replicateGroup != nullptr) {
-    return "the model's HYBRID_SHARD groups are the program's, not the runtime's: they cannot be rebuilt here";
+    return "the model's HYBRID_SHARD groups are the program's, not the runtime's: they cannot be "
+           "rebuilt here";
   }
-  if (&state.comm_ != &runtime.comm()) return "the model's communicator is not the runtime's comm(): it cannot be rebuilt here";
-  if (const int models = detail::liveModelsOver(runtime.comm()); models > 1) {
+  if (&state.comm_ != &runtime.comm()) {
+    return "the model's communicator is not the runtime's comm(): it cannot be rebuilt here";
+  }
+  if (const int models = detail::liveModels(); models > 1) {
     return std::to_string(models) +
-           " FSDP models over the runtime's comm(): a re-formation rebuilds one model's state, the others' would pair "
-           "no collective with a new process's constructors";
+           " FSDP models in this process: a re-formation rebuilds one model's state, the "
+           "others' would pair no collective with a new process's constructors";
   }
   return "";
 }
@@ -134,7 +139,8 @@ ReformScope::ReformScope(Runtime& runtime, FullyShardedDataParallel& model) {
     // worker was not in a loop that re-forms.
     static std::atomic<bool> said{false};
     if (!said.exchange(true)) {
-      const auto text = fmt::format("rank {}: a failure elsewhere restarts this process too: {}", runtime.rank(), why);
+      const auto text = fmt::format("rank {}: a failure elsewhere restarts this process too: {}",
+                                    runtime.rank(), why);
       runtime.rank() == 0 ? log::warn("{}", text) : log::info("{}", text);
     }
     return;
@@ -156,7 +162,6 @@ bool reformPending(Runtime& runtime, std::chrono::milliseconds bound) {
   if (control.collectiveFailures() == 0) return false;
   return control.awaitAbort(bound);
 }
-
 
 bool canReform(Runtime& runtime, FullyShardedDataParallel& model) { return whyNot(runtime, model).empty(); }
 

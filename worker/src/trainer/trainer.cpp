@@ -336,7 +336,9 @@ FitResult Trainer::fitRound(const Dataset& train, const Dataset* eval, const Ref
   // re-formation can bring this state back: a snapshot or a checkpoint to restore, a model over
   // the runtime's own communicators.
   std::optional<ReformScope> survivable;
-  if ((d.snapshots && d.snapshots->enabled()) || d.checkpointer) survivable.emplace(d.runtime, d.model);
+  if ((d.snapshots && d.snapshots->enabled()) || d.checkpointer) {
+    survivable.emplace(d.runtime, d.model);
+  }
 
   // A step resumed from a snapshot may have no disk checkpoint yet: only a disk resume counts.
   std::optional<std::int64_t> lastSaved =

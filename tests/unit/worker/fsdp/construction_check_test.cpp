@@ -1,19 +1,22 @@
 // FSDP's collective of construction (worker/src/fsdp/builder.hpp, an internal): the model check
 // every rank all-gathers also says whether a survivor of an earlier round re-forms in process
 // with the group, which tells new processes to skip the broadcast of rank 0's weights.
+#include "fsdp/builder.hpp"
+
 #include <ATen/Functions.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
-#include <random>
+#include <cstdint>
+#include <string>
 
 #include "fsdp/common/error.hpp"
-#include "fsdp/builder.hpp"
 #include "torch_ranks.hpp"
 
 namespace fsdp::worker {
 namespace {
 
+using detail::CheckedBy;
 using fsdp::testing::RankContext;
 using fsdp::testing::runRanks;
 
@@ -23,30 +26,29 @@ at::Tensor digest(std::int64_t salt) {
   return words;
 }
 
-// Seeded survivor patterns over 3 ranks (none, one, several, all): every rank learns the same
-// answer, whether any rank said it survives, and no pattern is taken for a model mismatch.
+// Every survivor pattern over 3 ranks (none, each one alone, each pair, all): every rank learns
+// the same answer, whether any rank is a survivor, and no pattern is taken for a model mismatch.
 TEST(ConstructionCheck, EveryRankLearnsWhetherAnyRankOfTheGroupIsASurvivor) {
-  const unsigned seed = 20261129;
-  std::mt19937 rng(seed);
-  for (int pattern = 0; pattern < 8; ++pattern) {
-    const int bits = pattern == 0 ? 0 : static_cast<int>(rng() % 8);
+  for (int bits = 0; bits < 8; ++bits) {
     const bool expected = bits != 0;
     std::atomic<int> agreed{0};
     runRanks(3, [&](RankContext& ctx) {
-      const bool survivor = (bits >> ctx.rank) & 1;
-      if (detail::compareModelDigests(ctx.comm, digest(0), survivor) == expected) ++agreed;
+      const auto by = (bits >> ctx.rank) & 1 ? CheckedBy::kSurvivor : CheckedBy::kConstructor;
+      if (detail::compareModelDigests(ctx.comm, digest(0), by) == expected) ++agreed;
     });
-    EXPECT_EQ(agreed.load(), 3) << "seed " << seed << ", survivors (bit per rank) " << bits;
+    EXPECT_EQ(agreed.load(), 3) << "survivors (a bit per rank): " << bits;
   }
 }
 
 TEST(ConstructionCheck, AModelThatDiffersIsNamedWhateverTheSurvivorsSay) {
   std::atomic<int> refused{0};
   runRanks(3, [&](RankContext& ctx) {
+    const auto by = ctx.rank == 0 ? CheckedBy::kSurvivor : CheckedBy::kConstructor;
     try {
-      detail::compareModelDigests(ctx.comm, digest(ctx.rank == 2 ? 1 : 0), /*survivor=*/ctx.rank == 0);
+      detail::compareModelDigests(ctx.comm, digest(ctx.rank == 2 ? 1 : 0), by);
     } catch (const ConfigError& e) {
-      EXPECT_NE(std::string(e.what()).find("rank 2's model differs from rank 0's"), std::string::npos) << e.what();
+      const std::string what = e.what();
+      EXPECT_NE(what.find("rank 2's model differs from rank 0's"), std::string::npos) << what;
       ++refused;
     }
   });
@@ -55,8 +57,8 @@ TEST(ConstructionCheck, AModelThatDiffersIsNamedWhateverTheSurvivorsSay) {
 
 TEST(ConstructionCheck, AWorldOfOneIsItsOwnAnswer) {
   runRanks(1, [&](RankContext& ctx) {
-    EXPECT_TRUE(detail::compareModelDigests(ctx.comm, digest(0), true));
-    EXPECT_FALSE(detail::compareModelDigests(ctx.comm, digest(0), false));
+    EXPECT_TRUE(detail::compareModelDigests(ctx.comm, digest(0), CheckedBy::kSurvivor));
+    EXPECT_FALSE(detail::compareModelDigests(ctx.comm, digest(0), CheckedBy::kConstructor));
   });
 }
 

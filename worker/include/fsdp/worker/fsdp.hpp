@@ -108,7 +108,9 @@ struct FsdpOptions {
   bool forwardPrefetch = false;
   // At most this many units' all-gathers issued ahead of use (prefetches wait their turn).
   int limitAllGathers = 2;
-  // Broadcast rank 0's parameters and buffers before sharding.
+  // Broadcast rank 0's parameters and buffers before sharding. Not in a new process of a round
+  // in which survivors of a failure re-form in process (reform.hpp): the restore that follows
+  // writes them on every rank.
   bool syncModuleStates = false;
   // Recompute each leaf unit's forward during its backward instead of keeping activations,
   // with the RNG states of the first run (CPU, and the CUDA device's: dropout draws the same
