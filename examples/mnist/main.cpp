@@ -69,6 +69,7 @@ struct Flags {
   int faultKillRank = -1;
   std::string faultKind = "kill";
   bool faultEveryAttempt = false;
+  std::string faultMarker;  // written just before the fault: a test's event
 };
 
 torch::nn::Sequential makeModel(const Flags& flags) {
@@ -130,6 +131,7 @@ int run(const Flags& flags) {
       (rt->env().restartCount == 0 || flags.faultEveryAttempt)) {
     trainer.afterStep = [&flags](std::int64_t step) {
       if (step != flags.faultKillAtStep) return;
+      if (!flags.faultMarker.empty()) std::ofstream(flags.faultMarker) << step << "\n";
       if (flags.faultKind == "stop") ::raise(SIGSTOP);
       if (flags.faultKind == "loop") fsdp_test_spin_forever();
       if (flags.faultKind == "read") fsdp_test_block_in_read();
@@ -224,6 +226,8 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"kill", "stop", "loop", "read"}))
       ->group("");
   app.add_flag("--fault_every_attempt", flags.faultEveryAttempt, "Testing only: the fault on every attempt")
+      ->group("");
+  app.add_option("--fault_marker", flags.faultMarker, "Testing only: a file written just before the fault")
       ->group("");
   try {
     app.parse(argc, argv);

@@ -326,6 +326,39 @@ TEST_F(Reform, AStoppedSurvivorRestartsAsAProcessAndTheOthersReformInProcess) {
   EXPECT_EQ(resume->value("path", ""), "in_process");
 }
 
+// A survivor busy in its own code (a spin after its step, not a collective) when a peer dies:
+// the abort notice wakes no collective of its, it never joins the new round, and the hang report
+// names it as not joined, not the ranks that wait for it. It is killed; rank 0, still
+// re-forming, starts again as a process too, and the job ends as the uninterrupted run does.
+TEST_F(Reform, ASurvivorBusyInItsOwnCodeIsNamedAsNotJoinedWhenTheRoundHangs) {
+  const JobFiles f("busy");
+  const std::string marker = f.dir.path() + "/spinning";
+  auto argv = job("auto", f.runId, f.metrics,
+                  {"--fault_kill_at_step", "8", "--fault_kill_rank", "2", "--fault_kind", "loop",
+                   "--fault_marker", marker});
+  argv.insert(argv.begin() + 1, {"--hang_timeout", "3"});
+  auto proc = start(argv, f.tag, f.dir);
+  // Rank 2 finished step 8 and spins from here on (before rank 0 can log step 8: its log line
+  // waits for rank 2).
+  ASSERT_TRUE(waitFor(proc, [&] { return fs::exists(marker); })) << f.err();
+  const auto before = workersByRank(f.tag);
+  ASSERT_EQ(before.size(), 3u) << f.err();
+  ::kill(before.at(1), SIGKILL);
+  const auto r = finish(proc, f.dir);
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_NE(r.err.find("round 1: rank(s) 0, 2 re-form in process"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("the job is hung"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("rank 2 has not joined this round"), std::string::npos) << r.err;
+  // The restart's one-line reason names it too (not the new rank 1, which waits for it).
+  EXPECT_NE(r.err.find("asked to restart: the job hung: rank 2 has not joined this round"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.err.find("rank 0 has not joined this round"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("rank(s) 2 failed or are stuck"), std::string::npos) << r.err;
+  EXPECT_EQ(summaryOf(r.out).value("params_sha256", ""), reference_) << r.out;
+  EXPECT_EQ(summaryOf(r.out).value("steps", 0), kSteps);
+}
+
 // Must-show 4: a hang declared kills the stuck rank only; the others re-form in process.
 TEST_F(Reform, AHangKillsTheStuckRankAndTheOthersReformInProcess) {
   TempDir dir;

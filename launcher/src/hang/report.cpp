@@ -157,6 +157,9 @@ HangAnalysis analyzeHang(const std::vector<RankView>& views, int worldSize, std:
                         ": no flight records (not a libfsdp program, or it had not reached fsdp::init())");
       a.lagging.insert(v.rank);
     } else if (!v.joined) {
+      // The round waits for it: the cause, in one-line messages too (not the new process
+      // listed before it, which waits for it in init()).
+      if (a.cause < 0) a.cause = static_cast<int>(a.lines.size());
       a.lines.push_back("rank " + std::to_string(v.rank) +
                         " has not joined this round: it kept its process to re-form in it and has not re-formed; " +
                         lastProgress(v));

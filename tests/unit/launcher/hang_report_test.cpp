@@ -197,6 +197,9 @@ TEST(HangAnalysis, ASurvivorThatHasNotJoinedTheRoundIsNamedNotTheRanksWaitingFor
   EXPECT_NE(text.find("rank 2 has not joined this round"), std::string::npos) << text;
   EXPECT_NE(text.find("last progress mark: trainer step 6"), std::string::npos) << text;
   EXPECT_NE(text.find("rank 1: no flight records yet (a new process of this round"), std::string::npos) << text;
+  // The one-line messages (the agent's restart reason) name it too, not rank 1 listed first.
+  ASSERT_GE(a.cause, 0) << text;
+  EXPECT_EQ(a.lines.at(static_cast<std::size_t>(a.cause)).rfind("rank 2 has not joined this round", 0), 0u) << text;
   // Without such a survivor, a rank without a ring is still one to look at.
   const auto b = analyzeHang({waiting, starting, view(2, {})}, 3, kNow);
   EXPECT_TRUE(b.lagging.count(1)) << joined(b);
