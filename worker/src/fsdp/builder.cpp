@@ -169,7 +169,7 @@ void FsdpBuilder::checkSameModelEverywhere() {
   mine[2] = static_cast<std::int64_t>(originals_.size());
   mine[3] = numel;
   state_.constructionDigest_ = mine;
-  state_.joinsSurvivors_ = compareModelDigests(comm, mine, CheckedBy::kConstructor);
+  joinsSurvivors_ = compareModelDigests(comm, mine, CheckedBy::kConstructor);
 }
 
 bool compareModelDigests(Communicator& comm, const at::Tensor& mine, CheckedBy by) {
@@ -207,7 +207,7 @@ void FsdpBuilder::syncModuleStates() {
   // every parameter and buffer (or the round ends and every process starts again), so rank 0's
   // weights would only be overwritten. The whole model's size not copied twice is most of what
   // a re-formation costs (DeepNet, 376 MB: 60-160 ms of a 2-core host's re-formation).
-  if (state_.joinsSurvivors_) {
+  if (joinsSurvivors_) {
     log::debug("rank {}: survivors of an earlier round re-form with this process: rank 0's "
                "weights are not broadcast (the restore writes them)",
                comm.rank());

@@ -72,6 +72,9 @@ class FsdpBuilder {
   // Units made by auto-wrap: their children keep their original paths (no ".module").
   std::unordered_set<const UnitImpl*> autoUnits_;
   bool planning_ = false;  // auto-wrap's first pass: decide and refuse, change nothing
+  // The model check found a survivor of an earlier round in the group: syncModuleStates
+  // broadcasts nothing (the round's restore writes every parameter and buffer).
+  bool joinsSurvivors_ = false;
   // The unit made for a module, so that a module used twice becomes one unit.
   std::unordered_map<const torch::nn::Module*, std::shared_ptr<UnitImpl>> wrapped_;
 };

@@ -131,7 +131,6 @@ class FsdpState {
   // finds a survivor, syncModuleStates broadcasts nothing (the restore writes every parameter
   // and buffer), so that is all a survivor replays.
   at::Tensor constructionDigest_;
-  bool joinsSurvivors_ = false;
 
   // After the communicators were aborted mid-step: drops what the step left (gathers,
   // reductions, full gradients and parameters) without waiting on any of it.
