@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <set>
 #include <sstream>
+#include <unordered_map>
 
 #include "checkpoint_internal.hpp"
 #include "comm/recorded_communicator.hpp"
@@ -49,6 +50,37 @@ void checkModelFits(const Manifest& m, const ShardLayout& layout) {
                         name + "' (wrong model?)");
     }
   }
+}
+
+// Each buffer of the model with its saved value. As PyTorch's load_state_dict, strict: every
+// buffer is in the checkpoint, of its shape. Checkpoints saved before namedBuffers() named the
+// buffers of auto-wrapped units with the unit's own level ("fc2.module.mask"): that name is read too.
+std::vector<std::pair<at::Tensor, at::Tensor>> matchBuffers(const Manifest& m, FullyShardedDataParallel& model,
+                                                            const std::map<std::string, at::Tensor>& saved) {
+  std::unordered_map<const c10::TensorImpl*, std::string> wrappedNames;
+  for (const auto& item : model->module()->named_buffers()) {
+    wrappedNames.emplace(item.value().unsafeGetTensorImpl(), item.key());
+  }
+  std::vector<std::pair<at::Tensor, at::Tensor>> matched;
+  for (const auto& [name, buffer] : model->namedBuffers()) {
+    auto it = saved.find(name);
+    if (const auto wrapped = wrappedNames.find(buffer.unsafeGetTensorImpl());
+        it == saved.end() && wrapped != wrappedNames.end()) {
+      it = saved.find(wrapped->second);
+    }
+    if (it == saved.end()) {
+      throw ConfigError("checkpoint " + m.path + " does not fit this model: it has no buffer '" + name +
+                        "' (wrong model?)");
+    }
+    if (it->second.sizes() != buffer.sizes()) {
+      std::ostringstream text;
+      text << "checkpoint " << m.path << " does not fit this model: buffer '" << name << "' has shape "
+           << it->second.sizes() << " there but " << buffer.sizes() << " here";
+      throw ConfigError(text.str());
+    }
+    matched.emplace_back(buffer, it->second);
+  }
+  return matched;
 }
 
 // Fills `dst` (this rank's shard layout of one flat parameter) with `what` from the checkpoint.
@@ -145,7 +177,7 @@ TrainingProgress loadManifest(Runtime& runtime, const Manifest& m, Reader& reade
   std::vector<at::Tensor> shards;
   std::vector<bool> viewed;  // per shard: a view of the mapped file, to be taken as it is
   std::vector<std::optional<OptimizerState>> states;
-  std::map<std::string, at::Tensor> buffers;
+  std::vector<std::pair<at::Tensor, at::Tensor>> buffers;  // the model's, its saved value
   std::optional<at::Tensor> rng;
   TrainingProgress progress;
   std::vector<double> groupLrs;
@@ -234,7 +266,7 @@ TrainingProgress loadManifest(Runtime& runtime, const Manifest& m, Reader& reade
         states.emplace_back();
       }
     }
-    buffers = readBuffers(reader, m);
+    buffers = matchBuffers(m, model, readBuffers(reader, m));
     if (ownFile) {
       for (const auto& b : m.blocks[static_cast<std::size_t>(runtime.rank())]) {
         if (b.what != "rng/cpu") continue;
@@ -266,10 +298,7 @@ TrainingProgress loadManifest(Runtime& runtime, const Manifest& m, Reader& reade
     }
     if (optimizer != nullptr && states[f]) writeState(*optimizer, kind, layout.flats[f].shard, *states[f]);
   }
-  for (const auto& item : model->module()->named_buffers()) {
-    const auto it = buffers.find(item.key());
-    if (it != buffers.end()) item.value().detach().copy_(it->second);
-  }
+  for (const auto& [buffer, saved] : buffers) buffer.detach().copy_(saved);
   if (optimizer != nullptr) {
     auto& mine = optimizer->param_groups();
     for (std::size_t g = 0; g < std::min(groupLrs.size(), mine.size()); ++g) mine[g].options().set_lr(groupLrs[g]);

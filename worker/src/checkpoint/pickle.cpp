@@ -28,7 +28,9 @@ void saveFullCheckpoint(Runtime& runtime, FullyShardedDataParallel& model, const
     if (writer) dict.insert(name, full.to(at::kCPU, full.scalar_type(), false, /*copy=*/true));
   });
   if (writer) {
-    for (const auto& item : model->module()->named_buffers()) dict.insert(item.key(), item.value().to(at::kCPU, item.value().scalar_type(), false, /*copy=*/true));
+    for (const auto& [name, buffer] : model->namedBuffers()) {
+      dict.insert(name, buffer.to(at::kCPU, buffer.scalar_type(), false, /*copy=*/true));
+    }
     writePickle(dict, path);
   }
   runtime.cpuComm().barrier().wait();

@@ -67,10 +67,10 @@ void testWriteDelay(int rank) {
 }  // namespace
 
 void addBuffers(RankPlan& plan, FullyShardedDataParallel& model, bool copy) {
-  for (const auto& item : model->module()->named_buffers()) {
-    Block b{.what = "buffer/" + item.key()};
-    b.shape = item.value().sizes().vec();
-    addBlock(plan, b, item.value().detach(), copy);
+  for (const auto& [name, buffer] : model->namedBuffers()) {
+    Block b{.what = "buffer/" + name};
+    b.shape = buffer.sizes().vec();
+    addBlock(plan, b, buffer.detach(), copy);
   }
 }
 

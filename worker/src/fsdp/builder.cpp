@@ -124,6 +124,11 @@ void FsdpBuilder::recordOriginalOrder() {
     originalNames_.push_back(item.key());
     originals_.push_back(item.value());
   }
+  // The buffers under the same names: auto-wrap's units add a level ("module") to the paths.
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& item : root_.inner_ptr_->named_buffers(/*recurse=*/true)) {
+    if (seen.insert(item.value().unsafeGetTensorImpl()).second) state_.buffers_.emplace_back(item.key(), item.value());
+  }
 }
 
 void FsdpBuilder::checkParameters() {

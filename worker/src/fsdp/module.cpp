@@ -231,6 +231,10 @@ ShardLayout FullyShardedDataParallelImpl::shardLayout() const {
 
 const FsdpOptions& FullyShardedDataParallelImpl::options() const { return state_->options_; }
 
+std::vector<std::pair<std::string, at::Tensor>> FullyShardedDataParallelImpl::namedBuffers() const {
+  return state_->buffers_;
+}
+
 std::shared_ptr<torch::nn::Module> FullyShardedDataParallelImpl::module() const {
   return rootUnit_->inner();
 }

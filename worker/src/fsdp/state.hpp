@@ -116,6 +116,8 @@ class FsdpState {
   bool offload_ = false;
   at::ScalarType reduceDtype_ = at::kFloat;
   std::vector<UnitRecord> units_;
+  // The module's buffers with the original module's names (what checkpoints save them under).
+  std::vector<std::pair<std::string, at::Tensor>> buffers_;
   std::vector<int> forwardOrder_;          // this iteration's forward, as units entered it
   std::vector<int> previousForwardOrder_;  // the last complete forward (forward prefetch)
   std::deque<PendingReduce> pending_;

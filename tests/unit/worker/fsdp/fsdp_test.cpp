@@ -6,10 +6,13 @@
 #include <gtest/gtest.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/functional.h>
+#include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/sgd.h>
 
+#include <map>
 #include <mutex>
 
 #include "fsdp/common/error.hpp"
@@ -420,6 +423,26 @@ TEST(FsdpWrap, TypeNamePolicyWrapsMatchingChildrenOnly) {
     EXPECT_EQ(paths, (std::vector<std::string>{"", "block", "block.inner"}));
     // Parameter names in the optimizer's view: one flat shard per unit.
     EXPECT_EQ(model->parameters().size(), 3u);
+  });
+}
+
+TEST(FsdpWrap, WhatIsRegisteredOnTheRootSequentialItselfSurvivesAutoWrap) {
+  runRanks(2, [](RankContext& ctx) {
+    torch::manual_seed(3);
+    torch::nn::Sequential net(torch::nn::Linear(6, 8), torch::nn::Functional(torch::relu), torch::nn::Linear(8, 4));
+    const at::Tensor mask = at::arange(4, at::kFloat);
+    net->register_buffer("mask", mask.clone());
+    const at::Tensor scale = at::full({3}, 0.5);  // FSDP takes the registered one's memory: a copy
+    net->register_parameter("scale", scale.clone());
+    FullyShardedDataParallel model(net, ctx.comm, {.autoWrap = AutoWrapPolicy::byTypeName({"Linear"})});
+    EXPECT_EQ(model->units().size(), 3u);  // the root and both Linears
+    const auto buffers = model->module()->named_buffers();
+    ASSERT_TRUE(buffers.contains("mask"));
+    EXPECT_TRUE(buffers["mask"].equal(mask));
+    std::map<std::string, at::Tensor> full;
+    for (auto& [name, value] : model->fullParameters()) full[name] = value;
+    ASSERT_EQ(full.count("scale"), 1u) << "the root Sequential's own parameter left the model";
+    EXPECT_TRUE(full["scale"].equal(scale));
   });
 }
 

@@ -12,6 +12,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <mutex>
 
 #include "fsdp/common/error.hpp"
@@ -185,12 +186,50 @@ TEST(Checkpoint, TheOfflineToolsConsolidateAndReshard) {
   expectClose(straight, resumeAndTrain(3, dir.path() + "/three", 6), 0, 0);
 }
 
+TEST(Checkpoint, BuffersKeepTheModelsOwnNamesWhateverTheWrapPolicy) {
+  testing::TempDir dir;
+  // fc2's buffer lies in an auto-wrapped unit (the unit adds a level to the module's paths).
+  const auto withBuffers = [](std::int64_t fill) {
+    auto net = makeModel();
+    net->register_buffer("mask", at::full({5}, fill));
+    net[2]->register_buffer("scale", at::full({5}, fill));
+    return net;
+  };
+  runRanks(2, [&](Runtime& rt) {
+    FullyShardedDataParallel model(withBuffers(3), rt.comm(), kOptions);
+    std::vector<std::string> names;
+    for (const auto& [name, buffer] : model->namedBuffers()) names.push_back(name);
+    EXPECT_EQ(names, (std::vector<std::string>{"mask", "fc2.scale"}));
+    Checkpointer ckpt(rt, {.dir = dir.path()});
+    ckpt.save(model, nullptr, {.step = 1});
+    ckpt.wait();
+  });
+  const std::string path = *newestCheckpoint(dir.path());
+  consolidateCheckpoint(path, dir.path() + "/full.pt");  // what PyTorch's load_state_dict reads
+  std::ifstream in(dir.path() + "/full.pt", std::ios::binary);
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto dict = torch::pickle_load(bytes).toGenericDict();
+  EXPECT_TRUE(dict.contains("fc2.scale"));
+  EXPECT_FALSE(dict.contains("fc2.module.scale"));
+  // Loaded with another policy (no auto-wrap), then with the same: the saved values every time.
+  for (const auto& options : {FsdpOptions{}, kOptions}) {
+    runRanks(2, [&](Runtime& rt) {
+      FullyShardedDataParallel model(withBuffers(0), rt.comm(), options);
+      Checkpointer(rt, {.dir = dir.path()}).loadLatest(model, nullptr);
+      for (const auto& [name, buffer] : model->namedBuffers()) EXPECT_TRUE(buffer.equal(at::full({5}, 3))) << name;
+    });
+  }
+}
+
 // What a refused load must leave: an error naming the problem, the model untouched.
-void expectRefused(const std::string& dir, const std::string& mention, std::int64_t hidden = 29) {
+void expectRefused(const std::string& dir, const std::string& mention, std::int64_t hidden = 29,
+                   const std::function<void(torch::nn::Sequential&)>& change = {}) {
   std::mutex mutex;
   std::vector<std::string> errors;
   runRanks(2, [&](Runtime& rt) {
-    FullyShardedDataParallel model(makeModel(hidden), rt.comm(), kOptions);
+    auto net = makeModel(hidden);
+    if (change) change(net);
+    FullyShardedDataParallel model(net, rt.comm(), kOptions);
     torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(0.01));
     const auto before = model->fullParameters();
     Checkpointer ckpt(rt, {.dir = dir});
@@ -216,6 +255,24 @@ TEST(Checkpoint, CorruptOrMismatchedCheckpointsAreRefusedNamingTheFile) {
   const auto size = fs::file_size(rank1);
   // A model with other shapes.
   expectRefused(dir.path(), "parameter 'fc1.weight' has shape [29, 13] there but [31, 13] here", 31);
+  // A buffer the checkpoint lacks (as PyTorch's load_state_dict, strict), or of another shape.
+  expectRefused(dir.path(), "it has no buffer 'mask' (wrong model?)", 29,
+                [](torch::nn::Sequential& net) { net->register_buffer("mask", at::ones({5})); });
+  expectRefused(dir.path(), "it has no buffer 'fc2.mask' (wrong model?)", 29,
+                [](torch::nn::Sequential& net) { net[2]->register_buffer("mask", at::ones({5})); });
+  {
+    testing::TempDir masked;
+    runRanks(2, [&](Runtime& rt) {
+      auto net = makeModel();
+      net->register_buffer("mask", at::ones({5}));
+      FullyShardedDataParallel model(net, rt.comm(), kOptions);
+      Checkpointer ckpt(rt, {.dir = masked.path()});
+      ckpt.save(model, nullptr, {.step = 1});
+      ckpt.wait();
+    });
+    expectRefused(masked.path(), "buffer 'mask' has shape [5] there but [6] here", 29,
+                  [](torch::nn::Sequential& net) { net->register_buffer("mask", at::ones({6})); });
+  }
   // A flipped byte: the block's CRC.
   {
     std::fstream f(rank1, std::ios::in | std::ios::out | std::ios::binary);

@@ -256,9 +256,9 @@ struct Snapshotter::Impl {
     static const auto rngBytes = static_cast<std::uint64_t>(at::detail::getDefaultCPUGenerator().get_state().nbytes());
     std::uint64_t small = 4096 + rngBytes;
     std::uint64_t headerReserve = 65536;
-    for (const auto& item : model->module()->named_buffers()) {
-      small = alignUp(small + item.value().nbytes(), 64);
-      headerReserve += 256 + item.key().size();
+    for (const auto& [name, buffer] : model->namedBuffers()) {
+      small = alignUp(small + buffer.nbytes(), 64);
+      headerReserve += 256 + name.size();
     }
     small = alignUp(small, 4096);
     std::map<const void*, std::map<std::string, std::uint64_t>> offsets;  // by TensorImpl, then what
