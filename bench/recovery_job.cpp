@@ -469,14 +469,15 @@ void killFigures(const Observed& seen, nlohmann::json& line) {
   line["steps_after_ms"] = std::move(after);
   // The median step after the resume (its first kStepsAfterResume left out), where there is one.
   if (const double ms = stepMs(seen.lines, *resume); ms > 0) line["step_ms_after"] = ms;
-  // What those steps took beyond as many median steps (the overhead counts the first one only);
-  // against the new world's median where the world changed, as the overhead below.
+  // What the steps after the first of those took beyond as many median steps: what the overhead
+  // (which counts the first) leaves out; against the new world's median where the world changed,
+  // as the overhead below.
   const double medianMs = line.value(line.value("world_changes", false) && line.contains("step_ms_after")
                                          ? "step_ms_after" : "step_ms", 0.0);
   if (line["steps_after_ms"].size() == shown && medianMs > 0) {
     double sum = 0;
-    for (const auto& ms : line["steps_after_ms"]) sum += ms.get<double>();
-    line["steps_after_extra_s"] = (sum - static_cast<double>(shown) * medianMs) / 1000.0;
+    for (std::size_t i = 1; i < shown; ++i) sum += line["steps_after_ms"][i].get<double>();
+    line["steps_after_extra_s"] = (sum - static_cast<double>(shown - 1) * medianMs) / 1000.0;
   }
   for (std::size_t i = *resume + 1; i < seen.lines.size(); ++i) {
     const auto& l = seen.lines[i];

@@ -6,10 +6,10 @@
 #include <algorithm>
 #include <set>
 #include <sstream>
-#include <unordered_map>
 
 #include "checkpoint_internal.hpp"
 #include "comm/recorded_communicator.hpp"
+#include "fsdp/common/log.hpp"
 #include "fsdp/worker/flight_recorder.hpp"
 #include "fsdp/worker/runtime.hpp"
 
@@ -52,25 +52,31 @@ void checkModelFits(const Manifest& m, const ShardLayout& layout) {
   }
 }
 
-// Each buffer of the model with its saved value. As PyTorch's load_state_dict, strict: every
-// buffer is in the checkpoint, of its shape. Checkpoints saved before namedBuffers() named the
-// buffers of auto-wrapped units with the unit's own level ("fc2.module.mask"): that name is read too.
+// Each buffer of the model with its saved value. Checkpoints name them as namedBuffers() does
+// ("buffer_names": "original" in their metadata), and the load is strict as PyTorch's
+// load_state_dict: every buffer of the model is there, of its shape, and nothing else is. Older
+// checkpoints named them by the module's own paths, which auto-wrap's units lengthen
+// ("fc2.module.mask"): read as before, by this model's paths, a missing one left as it is.
 std::vector<std::pair<at::Tensor, at::Tensor>> matchBuffers(const Manifest& m, FullyShardedDataParallel& model,
                                                             const std::map<std::string, at::Tensor>& saved) {
-  std::unordered_map<const c10::TensorImpl*, std::string> wrappedNames;
-  for (const auto& item : model->module()->named_buffers()) {
-    wrappedNames.emplace(item.value().unsafeGetTensorImpl(), item.key());
+  const bool original = m.meta.value("buffer_names", std::string()) == "original";
+  std::vector<std::pair<std::string, at::Tensor>> mine;
+  if (original) {
+    mine = model->namedBuffers();
+  } else {
+    for (const auto& item : model->module()->named_buffers()) mine.emplace_back(item.key(), item.value());
   }
   std::vector<std::pair<at::Tensor, at::Tensor>> matched;
-  for (const auto& [name, buffer] : model->namedBuffers()) {
-    auto it = saved.find(name);
-    if (const auto wrapped = wrappedNames.find(buffer.unsafeGetTensorImpl());
-        it == saved.end() && wrapped != wrappedNames.end()) {
-      it = saved.find(wrapped->second);
-    }
+  std::string missing;
+  for (const auto& [name, buffer] : mine) {
+    const auto it = saved.find(name);
     if (it == saved.end()) {
-      throw ConfigError("checkpoint " + m.path + " does not fit this model: it has no buffer '" + name +
-                        "' (wrong model?)");
+      if (original) {
+        throw ConfigError("checkpoint " + m.path + " does not fit this model: it has no buffer '" + name +
+                          "' (wrong model?)");
+      }
+      missing += (missing.empty() ? "'" : ", '") + name + "'";
+      continue;
     }
     if (it->second.sizes() != buffer.sizes()) {
       std::ostringstream text;
@@ -79,6 +85,20 @@ std::vector<std::pair<at::Tensor, at::Tensor>> matchBuffers(const Manifest& m, F
       throw ConfigError(text.str());
     }
     matched.emplace_back(buffer, it->second);
+  }
+  if (original && matched.size() != saved.size()) {
+    std::set<std::string> names;
+    for (const auto& item : mine) names.insert(item.first);
+    for (const auto& item : saved) {
+      if (!names.contains(item.first)) {
+        throw ConfigError("checkpoint " + m.path + " does not fit this model: the model has no buffer '" +
+                          item.first + "' (wrong model?)");
+      }
+    }
+  }
+  if (!missing.empty()) {
+    log::warn("checkpoint {} (saved before buffers kept their module's names) has no buffer {}: left as they are",
+              m.path, missing);
   }
   return matched;
 }

@@ -124,6 +124,7 @@ RankState describeRank(FullyShardedDataParallel& model, torch::optim::Optimizer*
               {"world_size", world},
               {"shard_size", layout.shardSize},
               {"strategy", toString(model->options().strategy)},
+              {"buffer_names", "original"},  // namedBuffers()'s, not the wrapped module's paths
               {"flats", std::move(flats)}};
   refreshMeta(out.meta, layout, optimizer, progress);
   return out;

@@ -124,10 +124,10 @@ void FsdpBuilder::recordOriginalOrder() {
     originalNames_.push_back(item.key());
     originals_.push_back(item.value());
   }
-  // The buffers under the same names: auto-wrap's units add a level ("module") to the paths.
-  std::unordered_set<const c10::TensorImpl*> seen;
+  // The buffers under the same names (every name of a shared one, as a state_dict has them):
+  // auto-wrap's units add a level ("module") to the module's own paths.
   for (const auto& item : root_.inner_ptr_->named_buffers(/*recurse=*/true)) {
-    if (seen.insert(item.value().unsafeGetTensorImpl()).second) state_.buffers_.emplace_back(item.key(), item.value());
+    state_.buffers_.emplace_back(item.key(), item.value());
   }
 }
 

@@ -212,15 +212,17 @@ struct Snapshotter::Impl {
   // (A restore that copied maps nothing: the piece can come back at once.)
   void releaseRestoredPiece() {
     if (recycleBefore < 0 || restoredPieceReleased) return;
-    const auto it = std::find_if(memory.buffers.begin(), memory.buffers.end(), [](const auto& b) { return b->adopted; });
-    if (it != memory.buffers.end()) {
-      if (it->use_count() != 1) return;  // the state still lies in it
-      memory.buffers.erase(it);
+    if (const auto piece = restoredPiece.lock()) {
+      const auto listed = std::find(memory.buffers.begin(), memory.buffers.end(), piece);
+      // Held by anything but this lock and the list (`live`, a tensor lying in it): not yet.
+      if (piece.use_count() > 1 + (listed != memory.buffers.end() ? 1 : 0)) return;
+      if (listed != memory.buffers.end()) memory.buffers.erase(listed);
     }
     restoredPieceReleased = true;
     ++recycleBefore;
   }
   bool restoredPieceReleased = false;
+  std::weak_ptr<Buffer> restoredPiece;  // the piece the last restore mapped, while anything holds it
 
   // The size of the buffer step() asked for last (0: none since the last restore).
   std::uint64_t stepBytes = 0;
@@ -229,6 +231,10 @@ struct Snapshotter::Impl {
   // is free (a new process's first steps), made or taken back while the next forward and
   // backward run rather than in that step's optimizer step. Best effort: step() asks again.
   void prepareNextBuffer() {
+    {
+      std::scoped_lock lock(peerMutex);
+      if (peerAborted) return;  // the world re-forms: rejoin() waits for this thread
+    }
     if (stepBytes == 0 || refused || memory.hasFree(stepBytes)) return;
     try {
       bufferFor(stepBytes, pieceName(-1));
@@ -282,6 +288,7 @@ struct Snapshotter::Impl {
   // buffers) and a reserve for the header. False, with nothing changed, when the model or the
   // optimizer does not allow it.
   bool stepIntoBuffer(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer) {
+    stepBytes = 0;  // set again where this step writes into a buffer
     const std::string kind = kindOf(optimizer);
     if (kind.empty()) return false;
     if (kind != "adam" && kind != "adamw") return false;
@@ -326,8 +333,7 @@ struct Snapshotter::Impl {
     }
     headerReserve = alignUp(headerReserve, 4096);
     const std::uint64_t dataOffset = snapshot::dataOffsetFor(headerReserve);
-    stepBytes = dataOffset + cursor;
-    const auto buffer = bufferFor(stepBytes, pieceName(-1));
+    const auto buffer = bufferFor(dataOffset + cursor, pieceName(-1));
     buffer->headerReserve = headerReserve;
     buffer->smallBytes = small;
     const auto place = [&](const at::Tensor& p, const char* what) {
@@ -335,7 +341,8 @@ struct Snapshotter::Impl {
       return at::from_blob(buffer->map + dataOffset + offsets.at(p.unsafeGetTensorImpl()).at(what), p.sizes(),
                            [keep](void*) mutable { keep.reset(); }, p.options().requires_grad(false));
     };
-    if (!detail::stepInto(optimizer, place)) return false;
+    if (!detail::stepInto(optimizer, place)) return false;  // (the first step makes Adam's state)
+    stepBytes = buffer->bytes;
     // What the step did not write (frozen shards, shards without a gradient this step, their
     // state) is copied: the buffer holds the whole snapshot, and the last one is left alone.
     at::NoGradGuard noGrad;
@@ -456,6 +463,7 @@ Snapshotter::Snapshotter(Runtime& runtime, SnapshotOptions options)
 void Snapshotter::rejoin() {
   auto& d = *impl_;
   wait();
+  d.stepBytes = 0;  // the new round's layout may differ
   d.closePeer(/*clearAbort=*/true);
   d.peerFailed = false;
   d.restoreCalls = 0;  // the restore's store keys, per round and call: as a new process counts
@@ -534,6 +542,7 @@ std::optional<TrainingProgress> Snapshotter::restore(FullyShardedDataParallel& m
   // The start of the job's own work: fsdprun's watchdog judges by the hang timeout from here on.
   markProgress(-1, "snapshot restore");
   wait();
+  d.stepBytes = 0;  // the layout may change
   if (!d.enabled) return std::nullopt;
   const KeeperLink link{.runtime = d.runtime,
                         .ask = [&d](const json& request, Fd* passed) { return d.ask(request, -1, passed); },
@@ -553,6 +562,7 @@ std::optional<TrainingProgress> Snapshotter::restore(FullyShardedDataParallel& m
     d.memory.mapped.reset();
     throw;
   }
+  d.restoredPiece = d.memory.mapped;  // kept or not, tensors may lie in it
   if (d.memory.keepMapped(model, optimizer)) {
     log::debug("rank {}: the state of step {} lies in its piece, mapped (not copied)", d.runtime.rank(),
                d.memory.live->step);
@@ -563,7 +573,6 @@ std::optional<TrainingProgress> Snapshotter::restore(FullyShardedDataParallel& m
   // backward run (step() waits for it); its next snapshots take theirs back as they need them.
   // Never a process with memory of its own: the keeper's pieces before `step` are its own
   // buffers, which a second mapping would let two snapshots write at once.
-  d.stepBytes = 0;  // the layout may have changed
   d.recycleBefore = d.memory.ownsMemory() ? -1 : restored->progress.step;
   d.restoredPieceReleased = false;
   if (const auto b = d.takeBackDroppedPiece()) d.worker.run([b] { Impl::populate(*b); });
