@@ -56,20 +56,25 @@ void checkModelFits(const Manifest& m, const ShardLayout& layout) {
 // ("buffer_names": "original" in their metadata), and the load is strict as PyTorch's
 // load_state_dict: every buffer of the model is there, of its shape, and nothing else is. Older
 // checkpoints named them by the module's own paths, which auto-wrap's units lengthen
-// ("fc2.module.mask"): read as before, by this model's paths, a missing one left as it is.
+// ("fc2.module.mask"): read as before, by this model's paths (else the original name), a missing
+// one left as it is (`warn`: said so).
 std::vector<std::pair<at::Tensor, at::Tensor>> matchBuffers(const Manifest& m, FullyShardedDataParallel& model,
-                                                            const std::map<std::string, at::Tensor>& saved) {
+                                                            const std::map<std::string, at::Tensor>& saved, bool warn) {
   const bool original = m.meta.value("buffer_names", std::string()) == "original";
-  std::vector<std::pair<std::string, at::Tensor>> mine;
-  if (original) {
-    mine = model->namedBuffers();
-  } else {
-    for (const auto& item : model->module()->named_buffers()) mine.emplace_back(item.key(), item.value());
+  const auto mine = model->namedBuffers();
+  std::map<const c10::TensorImpl*, std::vector<std::string>> paths;  // the wrapped module's, by tensor
+  if (!original) {
+    for (const auto& item : model->module()->named_buffers()) {
+      paths[item.value().unsafeGetTensorImpl()].push_back(item.key());
+    }
   }
   std::vector<std::pair<at::Tensor, at::Tensor>> matched;
   std::string missing;
   for (const auto& [name, buffer] : mine) {
-    const auto it = saved.find(name);
+    auto it = saved.find(name);
+    for (const auto& path : paths[buffer.unsafeGetTensorImpl()]) {
+      if (const auto byPath = saved.find(path); byPath != saved.end()) it = byPath;
+    }
     if (it == saved.end()) {
       if (original) {
         throw ConfigError("checkpoint " + m.path + " does not fit this model: it has no buffer '" + name +
@@ -96,7 +101,7 @@ std::vector<std::pair<at::Tensor, at::Tensor>> matchBuffers(const Manifest& m, F
       }
     }
   }
-  if (!missing.empty()) {
+  if (!missing.empty() && warn) {
     log::warn("checkpoint {} (saved before buffers kept their module's names) has no buffer {}: left as they are",
               m.path, missing);
   }
@@ -286,7 +291,7 @@ TrainingProgress loadManifest(Runtime& runtime, const Manifest& m, Reader& reade
         states.emplace_back();
       }
     }
-    buffers = matchBuffers(m, model, readBuffers(reader, m));
+    buffers = matchBuffers(m, model, readBuffers(reader, m), runtime.rank() == 0);
     if (ownFile) {
       for (const auto& b : m.blocks[static_cast<std::size_t>(runtime.rank())]) {
         if (b.what != "rng/cpu") continue;

@@ -216,10 +216,12 @@ void expectRefused(const std::string& dir, const std::string& mention, std::int6
 
 TEST(Checkpoint, BuffersKeepTheModelsOwnNamesWhateverTheWrapPolicy) {
   testing::TempDir dir;
-  // fc2's buffer lies in an auto-wrapped unit (the unit adds a level to the module's paths).
+  // fc2's buffer lies in an auto-wrapped unit (the unit adds a level to the module's paths);
+  // fc1 shares the root's (a state_dict has both names).
   const auto withBuffers = [](std::int64_t fill) {
     auto net = makeModel();
-    net->register_buffer("mask", at::full({5}, fill));
+    const auto mask = net->register_buffer("mask", at::full({5}, fill));
+    net[0]->register_buffer("shared", mask);
     net[2]->register_buffer("scale", at::full({5}, fill));
     return net;
   };
@@ -227,7 +229,7 @@ TEST(Checkpoint, BuffersKeepTheModelsOwnNamesWhateverTheWrapPolicy) {
     FullyShardedDataParallel model(withBuffers(3), rt.comm(), kOptions);
     std::vector<std::string> names;
     for (const auto& [name, buffer] : model->namedBuffers()) names.push_back(name);
-    EXPECT_EQ(names, (std::vector<std::string>{"mask", "fc2.scale"}));
+    EXPECT_EQ(names, (std::vector<std::string>{"mask", "fc1.shared", "fc2.scale"}));
     Checkpointer ckpt(rt, {.dir = dir.path()});
     ckpt.save(model, nullptr, {.step = 1});
     ckpt.wait();
@@ -238,6 +240,7 @@ TEST(Checkpoint, BuffersKeepTheModelsOwnNamesWhateverTheWrapPolicy) {
   std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   const auto dict = torch::pickle_load(bytes).toGenericDict();
   EXPECT_TRUE(dict.contains("fc2.scale"));
+  EXPECT_TRUE(dict.contains("fc1.shared"));
   EXPECT_FALSE(dict.contains("fc2.module.scale"));
   // Loaded with another policy (no auto-wrap), then with the same: the saved values every time.
   const auto loaded = [&](const FsdpOptions& options) {
@@ -251,7 +254,7 @@ TEST(Checkpoint, BuffersKeepTheModelsOwnNamesWhateverTheWrapPolicy) {
     });
     return values;
   };
-  const std::map<std::string, double> saved{{"mask", 3}, {"fc2.scale", 3}};
+  const std::map<std::string, double> saved{{"mask", 3}, {"fc1.shared", 3}, {"fc2.scale", 3}};
   EXPECT_EQ(loaded(FsdpOptions{}), saved);
   EXPECT_EQ(loaded(kOptions), saved);
   // A checkpoint saved before buffers kept their names (the wrapped module's paths, no marker)
@@ -265,7 +268,7 @@ TEST(Checkpoint, BuffersKeepTheModelsOwnNamesWhateverTheWrapPolicy) {
   }
   std::ofstream(path + "/metadata.json") << meta.dump();
   EXPECT_EQ(loaded(kOptions), saved);
-  EXPECT_EQ(loaded(FsdpOptions{}), (std::map<std::string, double>{{"mask", 3}, {"fc2.scale", 0}}));
+  EXPECT_EQ(loaded(FsdpOptions{}), (std::map<std::string, double>{{"mask", 3}, {"fc1.shared", 3}, {"fc2.scale", 0}}));
   // A buffer the model lacks is refused, as PyTorch's strict load_state_dict refuses it.
   runRanks(2, [&](Runtime& rt) {
     auto net = makeModel();
