@@ -7,7 +7,8 @@
 // against the hash written for that step, trains to the end, and rank 0 prints one JSON line:
 // {"restored": step | null, "matches": bool, "steps": n}. With --other_model the restart builds
 // a model of other shapes: the snapshot must be refused (nothing restored). --frozen_unit: each
-// Linear is a unit of its own and the first is frozen (no gradient, no optimizer state). The optimizer steps
+// Linear is a unit of its own and the first is frozen (no gradient, no optimizer state), and a
+// BatchNorm between them is a unit too (its running statistics are in the hash). The optimizer steps
 // through snapshots.step() (no copy), or with --copy through optimizer.step() after wait() (the
 // snapshot copies). Without --copy, after step 3 the state must be frozen(): views of it kept to
 // the end still hold step 3's values ("frozen_held" in the JSON line; null with --copy).
@@ -18,6 +19,7 @@
 #include <ATen/Functions.h>
 #include <signal.h>
 #include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/linear.h>
@@ -53,8 +55,11 @@ int main(int argc, char** argv) {
   auto rt = fsdp::init();
   const bool restarted = rt->env().restartCount > 0;
   torch::manual_seed(7);
-  torch::nn::Sequential net(torch::nn::Linear(32, 64), torch::nn::ReLU(), torch::nn::Dropout(0.3),
-                            torch::nn::Linear(64, restarted && otherModel ? 5 : 4));
+  torch::nn::Sequential net(torch::nn::Linear(32, 64));
+  if (frozenUnit) net->push_back(torch::nn::BatchNorm1d(64));
+  net->push_back(torch::nn::ReLU());
+  net->push_back(torch::nn::Dropout(0.3));
+  net->push_back(torch::nn::Linear(64, restarted && otherModel ? 5 : 4));
   fsdp::FsdpOptions options;
   if (frozenUnit) {
     for (auto& p : net[0]->parameters()) p.set_requires_grad(false);

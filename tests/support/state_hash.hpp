@@ -1,6 +1,7 @@
 #pragma once
-// The SHA-256 of a rank's FSDP parameter shards and their Adam state, in parameter order (the
-// optimizer's state map follows tensor addresses, which a restart changes): what the training
+// The SHA-256 of a rank's FSDP parameter shards, their Adam state, in parameter order (the
+// optimizer's state map follows tensor addresses, which a restart changes), and the module's
+// buffers (BatchNorm's running statistics; none in most models): what the training
 // programs of the snapshot and hang tests compare across a restore. Header-only: those programs
 // link libfsdp alone.
 
@@ -30,6 +31,7 @@ inline std::string adamStateHash(fsdp::FullyShardedDataParallel& model, torch::o
     add(adam.exp_avg());
     add(adam.exp_avg_sq());
   }
+  for (const auto& [name, buffer] : model->namedBuffers()) add(buffer);
   return hash.hexDigest();
 }
 
