@@ -469,9 +469,10 @@ void killFigures(const Observed& seen, nlohmann::json& line) {
   line["steps_after_ms"] = std::move(after);
   // The median step after the resume (its first kStepsAfterResume left out), where there is one.
   if (const double ms = stepMs(seen.lines, *resume); ms > 0) line["step_ms_after"] = ms;
+  // The median step the figures below subtract: of the world that resumed where it is not the one
+  // killed (a world without the lost node steps slower), else of the whole run.
   // What the steps after the first of those took beyond as many median steps: what the overhead
-  // (which counts the first) leaves out; against the new world's median where the world changed,
-  // as the overhead below.
+  // (which counts the first) leaves out.
   const double medianMs = line.value(line.value("world_changes", false) && line.contains("step_ms_after")
                                          ? "step_ms_after" : "step_ms", 0.0);
   if (line["steps_after_ms"].size() == shown && medianMs > 0) {
@@ -485,12 +486,9 @@ void killFigures(const Observed& seen, nlohmann::json& line) {
     if (!line.contains("kill_to_first_step_s")) {
       line["kill_to_first_step_s"] = l.value("unix_time", 0.0) - killTime;
       // What the failure cost beyond the step it interrupted: kill -> first new step, less one
-      // median step; of the world that resumed where it is not the one killed (a world without
-      // the lost node steps slower). Else of the whole run: the steps right after a resume are
-      // slower while new processes make their snapshot buffers.
-      const bool worldChanges = line.value("world_changes", false) && line.contains("step_ms_after");
-      const double stepS = line.value(worldChanges ? "step_ms_after" : "step_ms", 0.0) / 1000.0;
-      line["recovery_overhead_s"] = line["kill_to_first_step_s"].get<double>() - stepS;
+      // median step (above; of the whole run where the world stays: the steps right after a
+      // resume are slower while new processes make their snapshot buffers).
+      line["recovery_overhead_s"] = line["kill_to_first_step_s"].get<double>() - medianMs / 1000.0;
     }
     // Back where the job was: the first step beyond the last one completed before the kill.
     if (l.value("step", 0LL) > before) {

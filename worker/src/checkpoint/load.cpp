@@ -61,7 +61,7 @@ void checkModelFits(const Manifest& m, const ShardLayout& layout) {
 std::vector<std::pair<at::Tensor, at::Tensor>> matchBuffers(const Manifest& m, FullyShardedDataParallel& model,
                                                             const std::map<std::string, at::Tensor>& saved, bool warn) {
   const bool original = m.meta.value("buffer_names", std::string()) == "original";
-  const auto mine = model->namedBuffers();
+  const auto& mine = model->namedBuffers();
   std::map<const c10::TensorImpl*, std::vector<std::string>> paths;  // the wrapped module's, by tensor
   if (!original) {
     for (const auto& item : model->module()->named_buffers()) {
@@ -72,8 +72,10 @@ std::vector<std::pair<at::Tensor, at::Tensor>> matchBuffers(const Manifest& m, F
   std::string missing;
   for (const auto& [name, buffer] : mine) {
     auto it = saved.find(name);
-    for (const auto& path : paths[buffer.unsafeGetTensorImpl()]) {
-      if (const auto byPath = saved.find(path); byPath != saved.end()) it = byPath;
+    if (const auto own = paths.find(buffer.unsafeGetTensorImpl()); own != paths.end()) {
+      for (const auto& path : own->second) {
+        if (const auto byPath = saved.find(path); byPath != saved.end()) it = byPath;
+      }
     }
     if (it == saved.end()) {
       if (original) {

@@ -85,7 +85,9 @@ void FsdpBuilder::wrapUnitInner(UnitImpl& unit, const std::string& path) {
       for (const auto& p : unit.sequential_->named_parameters(/*recurse=*/false)) {
         rebuilt->register_parameter(p.key(), p.value(), p.value().requires_grad());
       }
-      for (const auto& b : unit.sequential_->named_buffers(/*recurse=*/false)) rebuilt->register_buffer(b.key(), b.value());
+      for (const auto& b : unit.sequential_->named_buffers(/*recurse=*/false)) {
+        rebuilt->register_buffer(b.key(), b.value());
+      }
       unit.sequential_ = rebuilt;
       unit.inner_ptr_ = unit.replace_module("module", rebuilt.ptr());
     }

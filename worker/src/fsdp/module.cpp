@@ -231,7 +231,7 @@ ShardLayout FullyShardedDataParallelImpl::shardLayout() const {
 
 const FsdpOptions& FullyShardedDataParallelImpl::options() const { return state_->options_; }
 
-std::vector<std::pair<std::string, at::Tensor>> FullyShardedDataParallelImpl::namedBuffers() const {
+const std::vector<std::pair<std::string, at::Tensor>>& FullyShardedDataParallelImpl::namedBuffers() const {
   return state_->buffers_;
 }
 

@@ -263,8 +263,8 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   // ever whole on a rank.
   void visitFullParameters(const std::function<void(const std::string&, const at::Tensor&)>& sink);
   // The module's buffers (whole on every rank), named as the original module names them: what
-  // checkpoints save, whatever the auto-wrap policy. Not collective.
-  std::vector<std::pair<std::string, at::Tensor>> namedBuffers() const;
+  // checkpoints save, whatever the auto-wrap policy. Not collective; valid as long as the model.
+  const std::vector<std::pair<std::string, at::Tensor>>& namedBuffers() const;
 
   // Throws ConfigError if `optimizer` holds tensors that are not this model's shards (it was
   // built before wrapping, or from the original module).
