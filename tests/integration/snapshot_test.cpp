@@ -316,8 +316,7 @@ TEST_F(Snapshots, AKilledNodeIsRestoredFromItsPeerCopyAsAOneNodeRunResumedThere)
   const std::string err = readFile(dir.path() + "/agent" + std::to_string(1 - victim) + ".err");
   ASSERT_EQ(*status, 0) << err;
 
-  // The last step completed before the kill, against the one resumed: rank 1 may be lost while
-  // its optimizer step waits for the copy of the step before (nodes::oldestResumable() says why).
+  // At most one step redone: the last step completed before the kill, against the one resumed.
   long long doneBeforeKill = -1;
   json resume;
   for (const auto& line : metricsLines(metrics)) {
@@ -329,7 +328,7 @@ TEST_F(Snapshots, AKilledNodeIsRestoredFromItsPeerCopyAsAOneNodeRunResumedThere)
   ASSERT_TRUE(resume.is_object()) << "no resume line in " << metrics;
   EXPECT_EQ(resume.value("source", ""), "peer copy") << err;
   const long long resumed = resume["step"].get<long long>();
-  EXPECT_GE(resumed, doneBeforeKill - 2) << "more steps redone than the copy rule allows";
+  EXPECT_GE(resumed, doneBeforeKill - 1) << "more than one step redone";
   const auto summary = summaryOf(out);
   EXPECT_EQ(summary.value("world_size", 0), 1);
   EXPECT_EQ(summary.value("resumed_from_step", -1), resumed);

@@ -332,16 +332,6 @@ struct AroundKill {
   nlohmann::json resume;
 };
 
-// The oldest step a run may resume from after losing `lostRanks`, by the snapshots' copy rule:
-// every optimizer step waits for the copy to the next node of the step before. Rank 0 writes the
-// metrics: it finished step doneBefore, so its copy of doneBefore - 1 was out. Another rank can be
-// lost while its optimizer step doneBefore still waits for that copy (rank 0 finishes a step once
-// that rank's gradients of it arrived, not its optimizer step): doneBefore - 2 is what it holds.
-inline long long oldestResumable(const AroundKill& around, const std::vector<int>& lostRanks) {
-  const bool onlyRankZero = lostRanks == std::vector<int>{0};
-  return around.doneBefore - (onlyRankZero ? 1 : 2);
-}
-
 inline AroundKill aroundKill(const std::string& metricsPath, double killedAt) {
   AroundKill r;
   for (const auto& line : metricsLines(metricsPath)) {

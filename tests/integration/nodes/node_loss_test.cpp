@@ -78,7 +78,6 @@ TEST_F(NodeLoss, AKilledNodeOfFourIsRestoredFromItsPeerCopyAndThreeRanksEndAsARe
   ASSERT_GE(victim, 0) << "no worker of rank 2 under any agent";
   // --restart_mode auto (the default): the survivors keep their processes, the world shrinks to
   // 3 and their shards are laid out again in process.
-  const auto lost = job.ranksUnder(victim);
   const auto seen = killExpectingReshardInProcess(job, victim, 4);
   ASSERT_TRUE(seen.resume.is_object());
   const double killedAt = seen.killedAt;
@@ -86,14 +85,13 @@ TEST_F(NodeLoss, AKilledNodeOfFourIsRestoredFromItsPeerCopyAndThreeRanksEndAsARe
   const json summary = fsdp::testing::nodes::survivorsSucceed(job, victim, 300s);
   ASSERT_TRUE(summary.is_object()) << job.allErr();
 
-  // The last step completed before the kill, against the one resumed: at most the lost rank's
-  // step and the one whose copy it waited for.
+  // At most one step redone: the last step completed before the kill, against the one resumed.
   const auto around = fsdp::testing::nodes::aroundKill(job.metricsPath(), killedAt);
   ASSERT_TRUE(around.resume.is_object()) << "no resume line in " << job.metricsPath() << "\n"
                                          << job.allErr();
   EXPECT_EQ(around.resume.value("source", ""), "peer copy") << job.allErr();
   const long long resumed = around.resume["step"].get<long long>();
-  EXPECT_GE(resumed, fsdp::testing::nodes::oldestResumable(around, lost)) << "more steps redone than the copy rule allows";
+  EXPECT_GE(resumed, around.doneBefore - 1) << "more than one step redone";
   EXPECT_EQ(summary.value("world_size", 0), 3);
   EXPECT_EQ(summary.value("resumed_from_step", -1), resumed);
   EXPECT_EQ(summary.value("steps", 0), kSteps);
