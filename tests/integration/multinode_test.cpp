@@ -243,8 +243,9 @@ void stopHostAndCheckNothingSurvives(int sig) {
   TempDir dir;
   const int port = fsdp::testing::freeLoopbackPort();
   const std::string runId = "stop-" + std::to_string(::getpid()) + "-" + std::to_string(sig);
-  // A worker that is a shell script with a child of its own.
-  const std::string script = "echo $$ > " + dir.path() + "/$RANK.pid; sleep 300 & wait";
+  // A worker that is a shell script with a child of its own, started before the pid file says
+  // the worker is there (the count of 8 below reads both).
+  const std::string script = "sleep 300 & echo $$ > " + dir.path() + "/$RANK.pid; wait";
   std::vector<std::unique_ptr<Agent>> agents;
   for (int node = 0; node < 2; ++node) {
     agents.push_back(std::make_unique<Agent>(

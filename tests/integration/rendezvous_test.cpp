@@ -4,6 +4,7 @@
 #include <sys/resource.h>
 
 #include <fstream>
+#include <string>
 
 #include "fsdp/common/process.hpp"
 #include "line_reader.hpp"
@@ -82,18 +83,20 @@ TEST(Rendezvous, ASigkilledNodeIsNoticedAtOnceAndTheRestContinueSmaller) {
                                                   "--last_call_ms", "100"};
   auto a = agent(d, "a", 1, 2, slowHeartbeat);
   auto b = agent(d, "b", 1, 2, slowHeartbeat);
-  ASSERT_TRUE(a->waitFor("nnodes=2", 10s));
+  // Round 0 when both joined within the last call; round 1 when a formed one alone first (b's
+  // start slower than 100 ms, as under ctest -j2 with ASan) and b's join ended it.
+  const auto both = a->waitFor("nnodes=2", 10s);
+  ASSERT_TRUE(both);
   ASSERT_TRUE(b->waitFor("nnodes=2", 10s));
-  const auto killedAt = Clock::now();
   b->process().signal(SIGKILL);
+  // Within 5 s, where a heartbeat would take 30: the closed connection, which the line names.
   const auto ended = a->waitFor("ROUND_ENDED", 5s);
   ASSERT_TRUE(ended);
-  EXPECT_LT(Clock::now() - killedAt, 1s);
   EXPECT_NE(ended->find("node b left: connection closed"), std::string::npos) << *ended;
   const auto again = a->waitFor("ASSIGNED", 5s);
   ASSERT_TRUE(again);
   EXPECT_EQ(field(*again, "nnodes"), "1");
-  EXPECT_EQ(field(*again, "round"), "1");
+  EXPECT_EQ(field(*again, "round"), std::to_string(std::stoi(field(*both, "round")) + 1));
 }
 
 TEST(Rendezvous, ASigstoppedNodeIsNoticedAfterTheHeartbeatTimeout) {
@@ -110,7 +113,9 @@ TEST(Rendezvous, ASigstoppedNodeIsNoticedAfterTheHeartbeatTimeout) {
   const auto took = Clock::now() - stoppedAt;
   b->process().signal(SIGKILL);
   ASSERT_TRUE(ended);
-  EXPECT_GE(took, 900ms);
+  // The server counts the 1000 ms from the last heartbeat it received, sent every 100 ms or later
+  // (a busy host delays one): the notice may come up to a few of them sooner after the stop.
+  EXPECT_GE(took, 500ms);
   EXPECT_LT(took, 4s);
   EXPECT_NE(ended->find("no heartbeat for 1000 ms"), std::string::npos) << *ended;
   EXPECT_TRUE(a->waitFor("nnodes=1", 5s));
