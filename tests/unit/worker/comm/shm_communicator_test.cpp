@@ -185,10 +185,12 @@ TEST(ShmCommunicator, ARankThatNeverArrivesIsATimeoutNamingIt) {
 }
 
 TEST(ShmCommunicator, AfterAFailureEveryLaterOperationSaysWhoGaveUpAndWhy) {
+  std::promise<void> rankZeroDone;
+  auto gaveUp = rankZeroDone.get_future().share();
   runShm(2, 4096, [&](fw::Communicator& comm, int rank) {
     if (rank == 1) {
-      // Rank 1 joins late (past rank 0's timeout), then finds the group aborted.
-      std::this_thread::sleep_for(1500ms);
+      // Rank 1 joins once rank 0 has given up on it (its timeout), then finds the group aborted.
+      ASSERT_EQ(gaveUp.wait_for(60s), std::future_status::ready);
     }
     try {
       comm.barrier().wait();
@@ -198,6 +200,7 @@ TEST(ShmCommunicator, AfterAFailureEveryLaterOperationSaysWhoGaveUpAndWhy) {
         EXPECT_NE(std::string(e.what()).find("aborted by rank 0"), std::string::npos) << e.what();
       }
     }
+    if (rank == 0) rankZeroDone.set_value();
     EXPECT_THROW(comm.allReduce(at::ones({4})).wait(), fsdp::Error);
   }, 500ms);
 }
