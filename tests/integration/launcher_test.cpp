@@ -180,12 +180,14 @@ TEST(Launcher, Sigkill9OfTheLauncherLeavesNoOrphan) {
 TEST(Launcher, AFrozenWorkerIsLoggedAndItsPeersFailAfterTheirCollectiveTimeout) {
   fsdp::testing::TempDir dir;
   fsdp::SpawnOptions options{.argv = {kFsdprun, "--standalone", "--nproc_per_node", "2", kWorker,
-                                      "--pid_dir", dir.path(), "--sleep", "0.5", "--timeout", "3"},
+                                      "--pid_dir", dir.path(), "--sleep", "2", "--timeout", "3"},
                              .env = fsdp::currentEnvironment(),
                              .deathSignal = 0};
   options.stdoutPath = dir.path() + "/out";
   options.stderrPath = dir.path() + "/err";
   auto launcher = fsdp::ChildProcess::spawn(options);
+  // The workers sleep 2 s after writing their pid files before their collectives: the stop
+  // comes first unless this thread is held that long.
   const auto pids = waitForPids(dir.path(), 2);
   ASSERT_EQ(pids.size(), 2u);
   const auto start = std::chrono::steady_clock::now();

@@ -29,7 +29,7 @@ def background_write():
     turns later snapshots to the foreground."""
     import os
     from fsdprun import _snapshot
-    os.environ["FSDPRUN_TEST_SNAPSHOT_DELAY_MS"] = "300"
+    os.environ["FSDPRUN_TEST_SNAPSHOT_DELAY_MS"] = "1000"  # the in-place change must fall in it
     p = torch.nn.Parameter(torch.arange(6.0))
     opt = torch.optim.SGD([p], lr=1.0)
     p.grad = torch.ones(6)
