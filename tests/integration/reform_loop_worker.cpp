@@ -1,11 +1,13 @@
 // A hand-written training loop that survives failures in process as reform.hpp's example does
 // (run under fsdprun by reform_test.cpp):
-//   reform_loop_worker OUT_DIR STEPS KILL_STEP [--second_model]
+//   reform_loop_worker OUT_DIR STEPS KILL_STEP [--second_model] [--misuse]
 // The model has a frozen first layer (a unit of its own), a BatchNorm (buffers) and trains with
 // Adam through a Snapshotter; its initial weights are seeded by the restart count, so a new
 // process's own weights differ from the job's until its restore. Rank 1 SIGKILLs itself after
 // step KILL_STEP on the first attempt (0: never). --second_model: a frozen teacher, a second
-// FSDP model over the runtime's communicator, which no re-formation can carry.
+// FSDP model over the runtime's communicator, which no re-formation can carry. --misuse: after
+// step 3 of the first attempt every rank calls reformDone() and reform() with no failure
+// anywhere, as a loop that calls them on its own errors would, and says on stderr what came back.
 // Each rank writes OUT_DIR/start_<rank>_<restart> (its pid) when it starts and, at the end,
 // OUT_DIR/final_<rank>: a hash of its shards, optimizer state and buffers, and its pid.
 #include <ATen/Functions.h>
@@ -41,13 +43,17 @@ std::uint64_t fnv(std::uint64_t h, const at::Tensor& t) {
 
 int main(int argc, char** argv) {
   if (argc < 4) {
-    std::fprintf(stderr, "usage: reform_loop_worker OUT_DIR STEPS KILL_STEP [--second_model]\n");
+    std::fprintf(stderr, "usage: reform_loop_worker OUT_DIR STEPS KILL_STEP [--second_model] [--misuse]\n");
     return 2;
   }
   const std::string out = argv[1];
   const int steps = std::stoi(argv[2]);
   const int killStep = std::stoi(argv[3]);
-  const bool secondModel = argc > 4 && std::string(argv[4]) == "--second_model";
+  bool secondModel = false, misuse = false;
+  for (int i = 4; i < argc; ++i) {
+    secondModel = secondModel || std::string(argv[i]) == "--second_model";
+    misuse = misuse || std::string(argv[i]) == "--misuse";
+  }
   auto rt = fsdp::init();
   const int rank = rt->rank();
   const int restart = rt->env().restartCount;
@@ -88,6 +94,15 @@ int main(int argc, char** argv) {
         ++step;
         snapshots->save(model, &optimizer, {.step = step});
         if (step == killStep && rank == 1 && restart == 0) ::kill(::getpid(), SIGKILL);
+        if (misuse && step == 3 && restart == 0) {
+          fsdp::reformDone(*rt);
+          try {
+            fsdp::reform(*rt, model);
+            std::fprintf(stderr, "rank %d: reform() without a failure returned\n", rank);
+          } catch (const fsdp::ReformError& e) {
+            std::fprintf(stderr, "rank %d: misuse refused: %s\n", rank, e.what());
+          }
+        }
       }
       break;
     } catch (const std::exception& e) {

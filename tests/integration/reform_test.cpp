@@ -473,4 +473,29 @@ TEST(ReformLoop, ASecondFsdpModelRestartsEveryProcessAndSaysWhy) {
   }
 }
 
+// reformDone() and reform() called with no failure anywhere (a loop that calls them on its own
+// errors): reformDone() tells the agent nothing, reform() throws ReformError at once (it waited
+// for a round that never came, 10 minutes and more) and changes nothing: the job goes on, a
+// later kill still re-forms the survivors in process, and every rank ends as the run without
+// either call.
+TEST(ReformLoop, ReformWithoutAFailureIsRefusedAtOnceAndChangesNothing) {
+  const auto reference = runLoop("auto", 0);
+  ASSERT_EQ(reference.exitCode, 0) << reference.err;
+  const auto run = runLoop("auto", 25, {"--misuse"});
+  ASSERT_EQ(run.exitCode, 0) << run.err;
+  for (int rank = 0; rank < 3; ++rank) {
+    SCOPED_TRACE("rank " + std::to_string(rank));
+    EXPECT_NE(run.err.find("rank " + std::to_string(rank) +
+                           ": misuse refused: reform() with no re-formation under way"),
+              std::string::npos)
+        << run.err;
+    EXPECT_EQ(run.finals.at(rank).first, reference.finals.at(rank).first) << run.err;
+  }
+  EXPECT_EQ(run.err.find("re-formed in process: round 0"), std::string::npos) << run.err;
+  EXPECT_NE(run.err.find("rank(s) 0, 2 re-form in process; 1 worker(s) start as new processes"),
+            std::string::npos)
+      << run.err;
+  EXPECT_EQ(run.finals.at(0).second, run.firstPids.at(0)) << "rank 0 kept its process";
+}
+
 }  // namespace

@@ -109,6 +109,10 @@ std::optional<std::map<std::string, std::string>> ReformControl::awaitReform(std
 void ReformControl::reformed(int round) {
   if (fd_ < 0) return;
   std::scoped_lock lock(mutex_);
+  if (!reforming_) {  // reformDone() outside a re-formation: the agent is told nothing
+    log::debug("reformDone() with no re-formation under way: nothing to tell the agent");
+    return;
+  }
   aborted_ = false;
   abortReason_.clear();
   reform_.reset();

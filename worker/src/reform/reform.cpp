@@ -168,6 +168,12 @@ bool canReform(Runtime& runtime, FullyShardedDataParallel& model) { return whyNo
 ReformInfo reform(Runtime& runtime, FullyShardedDataParallel& model) {
   auto& control = detail::ReformControl::process();
   if (const auto why = whyNot(runtime, model); !why.empty()) throw ReformError(why);
+  // Without the agent's notice no round comes: a loop that calls this on an error of its own
+  // (not after reformPending()) gets that at once, nothing changed, not a wait of many minutes.
+  if (!control.awaitAbort(std::chrono::milliseconds(0))) {
+    throw ReformError("reform() with no re-formation under way (the agent's notice has not come): call it "
+                      "only where reformPending() returned true; any other error is this process's own");
+  }
   const auto start = detail::Clock::now();
   control.setReforming(true);
   ReformInfo info;

@@ -111,9 +111,12 @@ struct ReformInfo {
 // it: their values and the optimizer's state for them are then the restore's to write (until
 // it, the optimizer holds state of the old size: restore before stepping). Throws ReformError when this process cannot go
 // on (see above), other errors when the new round fails; either way the process should end.
+// Called with no re-formation under way (not after reformPending() returned true), it throws
+// ReformError at once and changes nothing.
 ReformInfo reform(Runtime& runtime, FullyShardedDataParallel& model);
 
 // Training resumed after reform() and the restore: a failure elsewhere is survived again.
+// Outside a re-formation it does nothing.
 void reformDone(Runtime& runtime);
 
 }  // namespace fsdp::worker
