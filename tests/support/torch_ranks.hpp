@@ -11,6 +11,9 @@
 #include <memory>
 #include <vector>
 
+#include <ATen/Functions.h>
+#include <torch/nn/module.h>
+
 #include "fsdp/rendezvous/store_server.hpp"
 #include "fsdp/worker/gloo_communicator.hpp"
 #include "fsdp/worker/runtime.hpp"
@@ -81,6 +84,16 @@ inline void runRuntimes(int world, const std::function<void(worker::Runtime&)>& 
     body(rt);
     rt.comm().barrier().wait();
   });
+}
+
+// Every parameter overwritten from a fixed function of its position: the same on every rank,
+// whatever the threads that stand for ranks draw from LibTorch's one global generator.
+inline void fillDeterministic(torch::nn::Module& model, double k = 0.1) {
+  at::NoGradGuard noGrad;
+  for (auto& p : model.parameters()) {
+    p.copy_(at::sin(at::arange(p.numel(), at::kFloat).mul(0.37).add(k)).reshape(p.sizes()).mul(0.3));
+    k += 0.7;
+  }
 }
 
 }  // namespace fsdp::testing

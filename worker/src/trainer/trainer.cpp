@@ -386,6 +386,14 @@ FitResult Trainer::fitRound(const Dataset& train, const Dataset* eval, const Ref
   std::int64_t lastEvalStep = -1;
   d.model->train();
   const CheckpointSignal checkpointSignal(d.checkpointer ? o.checkpointSignal : 0);
+  // Resumed at an epoch's end (the snapshot or checkpoint of its last step): that epoch's
+  // evaluation may not have run, or not to its end (the failure came first, or during it). It
+  // runs now, before the next epoch's first step: at worst a second time, with the same result.
+  if (result.resumedFrom && o.evaluateEveryEpoch && position.step == 0 && position.epoch > 0 &&
+      position.epoch < o.epochs && (o.maxSteps == 0 || step < o.maxSteps)) {
+    evaluateEpoch(position.epoch - 1);
+    lastEvalStep = step;
+  }
   {
     DataLoader loader(train, sampler, position, o.prefetch);
     int epoch = position.epoch;

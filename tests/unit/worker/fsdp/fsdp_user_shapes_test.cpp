@@ -25,17 +25,9 @@ namespace {
 
 using fsdp::testing::RankContext;
 using fsdp::testing::runRanks;
+using fsdp::testing::fillDeterministic;
 using fsdp::testing::runRuntimes;
 using Params = std::vector<std::pair<std::string, at::Tensor>>;
-
-// Every parameter overwritten from a fixed function of its position: the same on every rank.
-void fillDeterministic(torch::nn::Module& model, double k = 0.1) {
-  at::NoGradGuard noGrad;
-  for (auto& p : model.parameters()) {
-    p.copy_(at::sin(at::arange(p.numel(), at::kFloat).mul(0.37).add(k)).reshape(p.sizes()).mul(0.3));
-    k += 0.7;
-  }
-}
 
 Params namedParams(torch::nn::Module& model) {
   Params out;
