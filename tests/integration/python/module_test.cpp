@@ -33,7 +33,6 @@ using namespace std::chrono_literals;
 
 const std::string kBin = FSDP_BIN_DIR;
 const std::string kScript = std::string(FSDP_SOURCE_DIR) + "/tests/integration/python/ddp_snapshot.py";
-
 const std::string kModuleDir = std::string(FSDP_BIN_DIR) + "/../python";
 constexpr int kSteps = 24;
 

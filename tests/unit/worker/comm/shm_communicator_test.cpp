@@ -186,7 +186,7 @@ TEST(ShmCommunicator, ARankThatNeverArrivesIsATimeoutNamingIt) {
 
 TEST(ShmCommunicator, AfterAFailureEveryLaterOperationSaysWhoGaveUpAndWhy) {
   std::promise<void> rankZeroDone;
-  auto gaveUp = rankZeroDone.get_future().share();
+  auto gaveUp = rankZeroDone.get_future();
   runShm(2, 4096, [&](fw::Communicator& comm, int rank) {
     if (rank == 1) {
       // Rank 1 joins once rank 0 has given up on it (its timeout), then finds the group aborted.
