@@ -22,6 +22,7 @@
 #include "fsdp/worker/flight_recorder.hpp"
 #include "fsdp/worker/reform.hpp"
 #include "fsdp/worker/runtime.hpp"
+#include "trainer/trainer_impl.hpp"
 #include "trainer/trainer_output.hpp"
 #include "fsdp/common/log.hpp"
 
@@ -37,97 +38,6 @@ using detail::rate;
 using detail::unixTime;
 
 }  // namespace
-
-struct Trainer::Impl {
-  Runtime& runtime;
-  FullyShardedDataParallel& model;
-  torch::optim::Optimizer& optimizer;
-  LossFn loss;
-  TrainerOptions options;
-  std::unique_ptr<Checkpointer> checkpointer;
-  std::unique_ptr<Snapshotter> snapshots;
-  std::ofstream metrics;
-  bool bar = false;
-  bool lines = false;
-  bool barOpen = false;  // a bar line is on screen without its newline
-  Clock::time_point start;
-
-  Impl(Runtime& rt, FullyShardedDataParallel& m, torch::optim::Optimizer& o, LossFn l, TrainerOptions opt)
-      : runtime(rt), model(m), optimizer(o), loss(std::move(l)), options(std::move(opt)) {}
-
-  bool leader() const { return runtime.rank() == 0; }
-
-  // Before an in-process re-formation: what the interrupted round left in flight finishes or
-  // fails (a snapshot being handed to the agent, a checkpoint being written).
-  void dropInterruptedState() {
-    barOpen = false;
-    if (snapshots) {
-      try {
-        snapshots->wait();
-      } catch (const std::exception& e) {
-        log::warn("rank {}: the snapshot in flight when the world re-formed failed: {}", runtime.rank(), e.what());
-      }
-    }
-    if (checkpointer) {
-      try {
-        checkpointer->wait();
-      } catch (const std::exception& e) {
-        log::warn("rank {}: the checkpoint being written when the world re-formed failed: {}", runtime.rank(), e.what());
-      }
-    }
-  }
-
-  void printLine(const std::string& text) {
-    if (!leader() || options.progress == ProgressStyle::kNone) return;
-    if (barOpen) {
-      emitLine("");
-      barOpen = false;
-    }
-    emitLine(text);
-  }
-
-  void writeMetrics(const json& line) {
-    if (metrics.is_open()) {
-      metrics << line.dump() << '\n';
-      metrics.flush();
-    }
-  }
-
-  // Rank 0: the straggler monitor's new findings into the metrics file (its thread logged them),
-  // and at the end the run's summary line.
-  void reportStragglers(bool summary = false) {
-    const auto monitor = detail::StragglerMonitor::active();
-    if (!monitor || !leader()) return;
-    for (const auto& e : monitor->takeEvents()) {
-      writeMetrics({{"type", e.recovered ? "straggler_recovered" : "straggler"}, {"rank", e.rank}, {"node", e.node},
-                    {"factor", e.factor}, {"compute_ms", e.computeMs}, {"median_compute_ms", e.medianComputeMs},
-                    {"wait_ms", e.waitMs}, {"data_ms", e.dataMs}, {"first_step", e.firstStep},
-                    {"last_step", e.lastStep}, {"unix_time", unixTime()}});
-    }
-    if (summary && monitor->reports() > 0) {
-      const std::string line = monitor->summary();
-      printLine(line);
-      writeMetrics({{"type", "stragglers"}, {"reports", monitor->reports()}, {"summary", line}});
-    }
-  }
-
-  // The batch where the model computes (the communicator's device: a CUDA device under NCCL).
-  Batch onDevice(const Batch& batch) const {
-    const auto device = runtime.device();
-    if (device.is_cpu()) return batch;
-    return {batch.input.to(device, /*non_blocking=*/true), batch.target.to(device, /*non_blocking=*/true),
-            batch.tokens};
-  }
-
-  // Sums (or maxima) over every rank.
-  std::vector<double> reduce(std::vector<double> values, ReduceOp op = ReduceOp::kSum) {
-    auto t = at::tensor(values, at::kDouble);
-    const CommTag tag("trainer", "metrics");
-    runtime.cpuComm().allReduce(t, op).wait();
-    const auto* p = t.data_ptr<double>();
-    return std::vector<double>(p, p + values.size());
-  }
-};
 
 Trainer::Trainer(Runtime& runtime, FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer,
                  LossFn loss, TrainerOptions options)
@@ -210,6 +120,7 @@ EvalResult Trainer::evaluate(const Dataset& data) {
 FitResult Trainer::fit(const Dataset& train, const Dataset* eval) {
   auto& d = *impl_;
   d.start = Clock::now();
+  d.evaluated = {};
   std::optional<ReformInfo> reformed;
   int reforms = 0;
   for (;;) {
@@ -372,6 +283,7 @@ FitResult Trainer::fitRound(const Dataset& train, const Dataset* eval, const Ref
               {"elapsed_s", std::chrono::duration<double>(Clock::now() - d.start).count()}};
     if (o.accuracy) line["accuracy"] = result.eval.accuracy;
     d.writeMetrics(line);
+    d.evaluated = {.epoch = epoch, .step = step, .result = result.eval, .wroteLines = d.leader()};
   };
 
   // Interval accumulators (this rank), reduced at every log line.
@@ -386,13 +298,29 @@ FitResult Trainer::fitRound(const Dataset& train, const Dataset* eval, const Ref
   std::int64_t lastEvalStep = -1;
   d.model->train();
   const CheckpointSignal checkpointSignal(d.checkpointer ? o.checkpointSignal : 0);
+  // An evaluation a resume may repeat (the failure came after it): where a survivor of the
+  // re-formation wrote its lines (it was rank 0 then), every rank takes that survivor's result;
+  // otherwise (that process is gone, or every process restarted) it runs again, same result.
+  const auto evaluateAgain = [&](int epoch) {
+    const auto& e = d.evaluated;
+    const bool wrote = e.wroteLines && e.epoch == epoch && e.step == step;
+    const auto mine = [wrote](double v) { return wrote ? v : -1e300; };
+    const auto known = d.reduce({mine(1), mine(e.result.loss), mine(e.result.accuracy),
+                                 mine(static_cast<double>(e.result.samples))}, ReduceOp::kMax);
+    if (known[0] > 0) {
+      result.eval = {known[1], known[2], static_cast<std::int64_t>(known[3])};
+      d.evaluated = {.epoch = epoch, .step = step, .result = result.eval, .wroteLines = wrote};
+    } else {
+      evaluateEpoch(epoch);
+    }
+    lastEvalStep = step;
+  };
   // Resumed at an epoch's end (the snapshot or checkpoint of its last step): that epoch's
   // evaluation may not have run, or not to its end (the failure came first, or during it). It
-  // runs now, before the next epoch's first step: at worst a second time, with the same result.
-  if (result.resumedFrom && o.evaluateEveryEpoch && position.step == 0 && position.epoch > 0 &&
+  // runs now, before the next epoch's first step, unless a survivor wrote it.
+  if (result.resumedFrom && eval != nullptr && o.evaluateEveryEpoch && position.step == 0 && position.epoch > 0 &&
       position.epoch < o.epochs && (o.maxSteps == 0 || step < o.maxSteps)) {
-    evaluateEpoch(position.epoch - 1);
-    lastEvalStep = step;
+    evaluateAgain(position.epoch - 1);
   }
   {
     DataLoader loader(train, sampler, position, o.prefetch);
@@ -555,7 +483,11 @@ FitResult Trainer::fitRound(const Dataset& train, const Dataset* eval, const Ref
       if (save) checkpoint(sampler.next(item.position));
       position = sampler.next(item.position);
     }
-    if (lastEvalStep != step) evaluateEpoch(std::min(epoch, o.epochs - 1));
+    if (lastEvalStep != step && eval != nullptr) {
+      // Resumed at the run's last step: its final evaluation may have run already.
+      const int last = std::min(epoch, o.epochs - 1);
+      result.resumedFrom == step ? evaluateAgain(last) : evaluateEpoch(last);
+    }
   }
   if (d.snapshots) d.snapshots->wait();
   d.reportStragglers(/*summary=*/true);

@@ -1,0 +1,63 @@
+// A fsdp::Trainer program whose rank 1 dies after an epoch's evaluation and before the next
+// epoch's first step is saved (run under fsdprun by trainer_epochs_test.cpp):
+//   trainer_epochs_worker OUT_DIR [--kill]
+// 60 examples, a global batch of 12 (5 steps an epoch), 3 epochs, an evaluation after each, a
+// checkpoint (synchronous, on disk) at every epoch's end and no in-memory snapshots, so that the
+// resume is that checkpoint's, at the epoch's end. --kill: in the first round, rank 1 SIGKILLs
+// itself in the first training step after an evaluation (its loss function sees the model
+// training again). Rank 0 writes the metrics to OUT_DIR/metrics.jsonl; every rank writes
+// OUT_DIR/final_<rank>: a hash of its shards and its pid.
+#include <signal.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adam.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include "fsdp/worker/data.hpp"
+#include "fsdp/worker/runtime.hpp"
+#include "fsdp/worker/trainer.hpp"
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: trainer_epochs_worker OUT_DIR [--kill]\n");
+    return 2;
+  }
+  const std::string out = argv[1];
+  const bool kill = argc > 2 && std::string(argv[2]) == "--kill";
+  auto rt = fsdp::init();
+  torch::manual_seed(3);
+  const auto x = torch::randn({60, 6});
+  const auto y = x.sum(1).gt(0).to(torch::kLong);
+  fsdp::TensorDataset train(x, y), test(x.slice(0, 0, 24), y.slice(0, 0, 24));
+  torch::nn::Sequential net(torch::nn::Linear(6, 16), torch::nn::ReLU(), torch::nn::Linear(16, 2));
+  fsdp::FullyShardedDataParallel model(net, rt->comm(), {.syncModuleStates = true});
+  torch::optim::Adam optimizer(model->parameters(), 1e-2);
+  const auto crossEntropy = fsdp::Trainer::crossEntropy();
+  bool evaluated = false;
+  const auto loss = [&](const at::Tensor& output, const fsdp::Batch& batch) {
+    if (!model->is_training()) {
+      evaluated = true;
+    } else if (kill && evaluated && rt->rank() == 1 && rt->env().round == 0) {
+      ::kill(::getpid(), SIGKILL);
+    }
+    return crossEntropy(output, batch);
+  };
+  fsdp::Trainer trainer(*rt, model, optimizer, loss,
+                        {.epochs = 3, .globalBatch = 12, .accuracy = true, .logEvery = 1,
+                         .metricsFile = out + "/metrics.jsonl", .progress = fsdp::ProgressStyle::kNone,
+                         .checkpointDir = out + "/ckpt", .checkpointEvery = 5, .snapshotEvery = 0});
+  trainer.fit(train, &test);
+  std::uint64_t h = 1469598103934665603ULL;
+  for (const auto& p : model->parameters()) {
+    const auto c = p.detach().contiguous();
+    const auto* bytes = static_cast<const unsigned char*>(c.data_ptr());
+    for (std::size_t i = 0; i < c.nbytes(); ++i) h = (h ^ bytes[i]) * 1099511628211ULL;
+  }
+  std::ofstream(out + "/final_" + std::to_string(rt->rank())) << std::hex << h << std::dec << " " << ::getpid() << "\n";
+  return 0;
+}
