@@ -35,11 +35,11 @@ struct EpochsRun {
   std::map<int, std::string> finals;   // rank -> state hash
 };
 
-EpochsRun runEpochs(bool kill) {
+EpochsRun runEpochs(int examples, bool kill) {
   TempDir dir;
   std::vector<std::string> argv = {kBin + "/fsdprun", "--nproc_per_node", "3", "--max_restarts", "2",
                                    "--restart_mode", "auto", "--rdzv_id", "epochs-" + std::to_string(::getpid()),
-                                   kBin + "/trainer_epochs_worker", dir.path()};
+                                   kBin + "/trainer_epochs_worker", dir.path(), std::to_string(examples)};
   if (kill) argv.push_back("--kill");
   const auto r = runCommand(argv, 240s, {"TMPDIR=" + dir.path()});
   EpochsRun run{r.exitCode, r.err, {}, {}, {}};
@@ -55,13 +55,17 @@ EpochsRun runEpochs(bool kill) {
   return run;
 }
 
-TEST(ReformTrainer, AnEpochEvaluatedBeforeTheFailureIsNotEvaluatedAgainWhereRankZeroSurvives) {
-  const auto reference = runEpochs(false);
+// The survivors come back to the checkpoint of step 5, epoch 1's last: with 60 examples it says
+// that epoch 2 starts (the Trainer evaluates epoch 1 before it), with 61 that epoch 1's left-out
+// last batch comes next (the loop's epoch end evaluates it). Either way epoch 1 was evaluated
+// before the kill, by rank 0, which survives.
+void expectOneEvaluationPerEpoch(int examples) {
+  SCOPED_TRACE(std::to_string(examples) + " examples");
+  const auto reference = runEpochs(examples, false);
   ASSERT_EQ(reference.exitCode, 0) << reference.err;
   ASSERT_EQ(reference.evals.size(), 3u) << reference.err;
-  const auto run = runEpochs(true);
+  const auto run = runEpochs(examples, true);
   ASSERT_EQ(run.exitCode, 0) << run.err;
-  // The resume is at epoch 1's end (its checkpoint, step 5), in process.
   ASSERT_EQ(run.resumes.size(), 1u) << run.err;
   EXPECT_EQ(run.resumes[0].value("step", -1), 5) << run.resumes[0].dump();
   EXPECT_EQ(run.resumes[0].value("path", ""), "in_process") << run.resumes[0].dump();
@@ -77,5 +81,11 @@ TEST(ReformTrainer, AnEpochEvaluatedBeforeTheFailureIsNotEvaluatedAgainWhereRank
   ASSERT_EQ(run.finals.size(), 3u) << run.err;
   EXPECT_EQ(run.finals, reference.finals) << run.err;
 }
+
+TEST(ReformTrainer, AnEpochEvaluatedBeforeTheFailureIsNotEvaluatedAgainWhereRankZeroSurvives) {
+  expectOneEvaluationPerEpoch(60);
+}
+
+TEST(ReformTrainer, TheSameWhenTheEpochEndsWithALeftOutBatch) { expectOneEvaluationPerEpoch(61); }
 
 }  // namespace

@@ -1,12 +1,14 @@
 // A fsdp::Trainer program whose rank 1 dies after an epoch's evaluation and before the next
 // epoch's first step is saved (run under fsdprun by trainer_epochs_test.cpp):
-//   trainer_epochs_worker OUT_DIR [--kill]
-// 60 examples, a global batch of 12 (5 steps an epoch), 3 epochs, an evaluation after each, a
-// checkpoint (synchronous, on disk) at every epoch's end and no in-memory snapshots, so that the
-// resume is that checkpoint's, at the epoch's end. --kill: in the first round, rank 1 SIGKILLs
-// itself in the first training step after an evaluation (its loss function sees the model
-// training again). Rank 0 writes the metrics to OUT_DIR/metrics.jsonl; every rank writes
-// OUT_DIR/final_<rank>: a hash of its shards and its pid.
+//   trainer_epochs_worker OUT_DIR EXAMPLES [--kill]
+// EXAMPLES examples (60: 5 whole global batches of 12 an epoch; 61: the same and a last batch of
+// one example, too small for 3 ranks, which every rank leaves out, so that the checkpoint at the
+// epoch's end says the epoch goes on), 3 epochs, an evaluation after each, a checkpoint
+// (synchronous, on disk) every 5 steps and no in-memory snapshots, so that the resume is that
+// checkpoint's, at the epoch's end. --kill: in the first round, rank 1 SIGKILLs itself in the
+// first training step after an evaluation (its loss function sees the model training again).
+// Rank 0 writes the metrics to OUT_DIR/metrics.jsonl; every rank writes OUT_DIR/final_<rank>: a
+// hash of its shards and its pid.
 #include <signal.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -23,15 +25,16 @@
 #include "fsdp/worker/trainer.hpp"
 
 int main(int argc, char** argv) {
-  if (argc < 2) {
-    std::fprintf(stderr, "usage: trainer_epochs_worker OUT_DIR [--kill]\n");
+  if (argc < 3) {
+    std::fprintf(stderr, "usage: trainer_epochs_worker OUT_DIR EXAMPLES [--kill]\n");
     return 2;
   }
   const std::string out = argv[1];
-  const bool kill = argc > 2 && std::string(argv[2]) == "--kill";
+  const int examples = std::stoi(argv[2]);
+  const bool kill = argc > 3 && std::string(argv[3]) == "--kill";
   auto rt = fsdp::init();
   torch::manual_seed(3);
-  const auto x = torch::randn({60, 6});
+  const auto x = torch::randn({examples, 6});
   const auto y = x.sum(1).gt(0).to(torch::kLong);
   fsdp::TensorDataset train(x, y), test(x.slice(0, 0, 24), y.slice(0, 0, 24));
   torch::nn::Sequential net(torch::nn::Linear(6, 16), torch::nn::ReLU(), torch::nn::Linear(16, 2));

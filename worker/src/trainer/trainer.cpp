@@ -298,29 +298,29 @@ FitResult Trainer::fitRound(const Dataset& train, const Dataset* eval, const Ref
   std::int64_t lastEvalStep = -1;
   d.model->train();
   const CheckpointSignal checkpointSignal(d.checkpointer ? o.checkpointSignal : 0);
-  // An evaluation a resume may repeat (the failure came after it): where a survivor of the
-  // re-formation wrote its lines (it was rank 0 then), every rank takes that survivor's result;
-  // otherwise (that process is gone, or every process restarted) it runs again, same result.
-  const auto evaluateAgain = [&](int epoch) {
+  // An epoch's evaluation. At the step a resume came back to (nothing trained since), it may
+  // have run before the failure: where a survivor of the re-formation wrote its lines (it was
+  // rank 0 then), every rank takes that survivor's result; otherwise (that process is gone, or
+  // every process restarted) it runs again, with the same result.
+  const auto evaluateOnce = [&](int epoch) {
+    lastEvalStep = step;
+    if (eval == nullptr) return;
+    if (result.resumedFrom != step) return evaluateEpoch(epoch);
     const auto& e = d.evaluated;
     const bool wrote = e.wroteLines && e.epoch == epoch && e.step == step;
     const auto mine = [wrote](double v) { return wrote ? v : -1e300; };
     const auto known = d.reduce({mine(1), mine(e.result.loss), mine(e.result.accuracy),
                                  mine(static_cast<double>(e.result.samples))}, ReduceOp::kMax);
-    if (known[0] > 0) {
-      result.eval = {known[1], known[2], static_cast<std::int64_t>(known[3])};
-      d.evaluated = {.epoch = epoch, .step = step, .result = result.eval, .wroteLines = wrote};
-    } else {
-      evaluateEpoch(epoch);
-    }
-    lastEvalStep = step;
+    if (known[0] <= 0) return evaluateEpoch(epoch);
+    result.eval = {known[1], known[2], static_cast<std::int64_t>(known[3])};
+    d.evaluated = {.epoch = epoch, .step = step, .result = result.eval, .wroteLines = wrote};
   };
   // Resumed at an epoch's end (the snapshot or checkpoint of its last step): that epoch's
   // evaluation may not have run, or not to its end (the failure came first, or during it). It
   // runs now, before the next epoch's first step, unless a survivor wrote it.
-  if (result.resumedFrom && eval != nullptr && o.evaluateEveryEpoch && position.step == 0 && position.epoch > 0 &&
+  if (result.resumedFrom && o.evaluateEveryEpoch && position.step == 0 && position.epoch > 0 &&
       position.epoch < o.epochs && (o.maxSteps == 0 || step < o.maxSteps)) {
-    evaluateAgain(position.epoch - 1);
+    evaluateOnce(position.epoch - 1);
   }
   {
     DataLoader loader(train, sampler, position, o.prefetch);
@@ -328,10 +328,7 @@ FitResult Trainer::fitRound(const Dataset& train, const Dataset* eval, const Ref
     while (epoch < o.epochs && (o.maxSteps == 0 || step < o.maxSteps)) {
       const auto item = loader.next();
       if (item.position.epoch != epoch) {  // the previous epoch is complete
-        if (o.evaluateEveryEpoch && lastEvalStep != step) {
-          evaluateEpoch(epoch);
-          lastEvalStep = step;
-        }
+        if (o.evaluateEveryEpoch && lastEvalStep != step) evaluateOnce(epoch);
         epoch = item.position.epoch;
         if (epoch >= o.epochs) break;
       }
@@ -483,11 +480,7 @@ FitResult Trainer::fitRound(const Dataset& train, const Dataset* eval, const Ref
       if (save) checkpoint(sampler.next(item.position));
       position = sampler.next(item.position);
     }
-    if (lastEvalStep != step && eval != nullptr) {
-      // Resumed at the run's last step: its final evaluation may have run already.
-      const int last = std::min(epoch, o.epochs - 1);
-      result.resumedFrom == step ? evaluateAgain(last) : evaluateEpoch(last);
-    }
+    if (lastEvalStep != step) evaluateOnce(std::min(epoch, o.epochs - 1));
   }
   if (d.snapshots) d.snapshots->wait();
   d.reportStragglers(/*summary=*/true);

@@ -34,7 +34,7 @@ struct Trainer::Impl {
   bool barOpen = false;  // a bar line is on screen without its newline
   std::chrono::steady_clock::time_point start;
   // This process's last evaluation of an epoch, and whether it wrote the lines (it was rank 0):
-  // a survivor of a re-formation keeps it across rounds (fitRound's evaluateAgain).
+  // a survivor of a re-formation keeps it across rounds (fitRound's evaluateOnce).
   struct Evaluated {
     int epoch = -1;
     std::int64_t step = -1;
