@@ -27,19 +27,7 @@
 #include "fsdp/worker/reform.hpp"
 #include "fsdp/worker/runtime.hpp"
 #include "fsdp/worker/snapshot.hpp"
-#include "fsdp/worker/torch_compat.hpp"
-
-namespace {
-
-std::uint64_t fnv(std::uint64_t h, const at::Tensor& t) {
-  const auto c = t.detach().to(at::kCPU).contiguous();
-  const auto* p = static_cast<const unsigned char*>(c.data_ptr());
-  const auto bytes = static_cast<std::int64_t>(c.nbytes());
-  for (std::int64_t i = 0; i < bytes; ++i) h = (h ^ p[i]) * 1099511628211ULL;
-  return h;
-}
-
-}  // namespace
+#include "state_hash.hpp"
 
 int main(int argc, char** argv) {
   if (argc < 4) {
@@ -117,17 +105,7 @@ int main(int argc, char** argv) {
     }
   }
   snapshots->wait();
-  std::uint64_t h = 1469598103934665603ULL;
-  for (const auto& p : model->parameters()) {
-    h = fnv(h, p);
-    const auto key = fsdp::worker::compat::optimizerStateKey(optimizer.state(), p);
-    const auto it = optimizer.state().find(key);
-    if (it == optimizer.state().end()) continue;
-    const auto& adam = static_cast<const torch::optim::AdamParamState&>(*it->second);
-    h = fnv(fnv(h, adam.exp_avg()), adam.exp_avg_sq());
-  }
-  for (const auto& b : model->buffers()) h = fnv(h, b);
   std::ofstream(out + "/final_" + std::to_string(rt->rank()))
-      << std::hex << h << std::dec << " " << ::getpid() << "\n";
+      << fsdp::testing::adamStateHash(model, optimizer) << " " << ::getpid() << "\n";
   return 0;
 }

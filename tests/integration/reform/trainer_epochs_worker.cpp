@@ -7,8 +7,8 @@
 // (synchronous, on disk) every 5 steps and no in-memory snapshots, so that the resume is that
 // checkpoint's, at the epoch's end. --kill: in the first round, rank 1 SIGKILLs itself in the
 // first training step after an evaluation (its loss function sees the model training again).
-// Rank 0 writes the metrics to OUT_DIR/metrics.jsonl; every rank writes OUT_DIR/final_<rank>: a
-// hash of its shards and its pid.
+// Rank 0 writes the metrics to OUT_DIR/metrics.jsonl; every rank writes OUT_DIR/final_<rank>: the
+// hash of its shards, Adam state and buffers (state_hash.hpp) and its pid.
 #include <signal.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -23,6 +23,7 @@
 #include "fsdp/worker/data.hpp"
 #include "fsdp/worker/runtime.hpp"
 #include "fsdp/worker/trainer.hpp"
+#include "state_hash.hpp"
 
 int main(int argc, char** argv) {
   if (argc < 3) {
@@ -55,12 +56,7 @@ int main(int argc, char** argv) {
                          .metricsFile = out + "/metrics.jsonl", .progress = fsdp::ProgressStyle::kNone,
                          .checkpointDir = out + "/ckpt", .checkpointEvery = 5, .snapshotEvery = 0});
   trainer.fit(train, &test);
-  std::uint64_t h = 1469598103934665603ULL;
-  for (const auto& p : model->parameters()) {
-    const auto c = p.detach().contiguous();
-    const auto* bytes = static_cast<const unsigned char*>(c.data_ptr());
-    for (std::size_t i = 0; i < c.nbytes(); ++i) h = (h ^ bytes[i]) * 1099511628211ULL;
-  }
-  std::ofstream(out + "/final_" + std::to_string(rt->rank())) << std::hex << h << std::dec << " " << ::getpid() << "\n";
+  std::ofstream(out + "/final_" + std::to_string(rt->rank()))
+      << fsdp::testing::adamStateHash(model, optimizer) << " " << ::getpid() << "\n";
   return 0;
 }

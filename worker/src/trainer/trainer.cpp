@@ -18,7 +18,6 @@
 #include "fsdp/common/error.hpp"
 #include "fsdp/common/process.hpp"
 #include "comm/recorded_communicator.hpp"
-#include "stats/straggler.hpp"
 #include "fsdp/worker/flight_recorder.hpp"
 #include "fsdp/worker/reform.hpp"
 #include "fsdp/worker/runtime.hpp"
