@@ -1,6 +1,7 @@
 #include "fsdp/worker/runtime.hpp"
 
 #include "comm/recorded_communicator.hpp"
+#include "fsdp/full_buffer.hpp"
 #include "reform/reformable_communicator.hpp"
 #include "runtime_internal.hpp"
 #include "stats/straggler.hpp"
@@ -171,12 +172,15 @@ namespace {
 // fsdprun --standby: this process is a spare, started before it was needed. It waits here (the
 // program loaded, its pre-init work done) for the round it joins: one JSON line on the pipe
 // FSDPRUN_STANDBY_FD names, {"env": {KEY: VALUE}} with what differs from the environment it was
-// started with. End of file: it was not needed, and leaves quietly.
-void awaitActivation() {
+// started with. End of file: it was not needed, and leaves quietly. While it waits, it faults in
+// the memory of its first step's full-parameter blocks. Returns the bytes it did (0 for a worker
+// that is no spare).
+std::size_t awaitActivation() {
   const char* text = std::getenv("FSDPRUN_STANDBY_FD");
-  if (text == nullptr) return;
+  if (text == nullptr) return 0;
   const int fd = std::atoi(text);
   ::unsetenv("FSDPRUN_STANDBY_FD");
+  const std::size_t warmed = detail::warmSpareBlocks();
   std::string line;
   char c = 0;
   for (;;) {
@@ -193,6 +197,7 @@ void awaitActivation() {
   for (const auto& [key, value] : message["env"].items()) {
     if (value.is_string()) ::setenv(key.c_str(), value.get<std::string>().c_str(), 1);
   }
+  return warmed;
 }
 
 }  // namespace
@@ -209,9 +214,10 @@ std::unique_ptr<Runtime> init(const InitOptions& options) {
   // (which ignores it too). A handler the program installed stays.
   struct sigaction pipe {};
   if (::sigaction(SIGPIPE, nullptr, &pipe) == 0 && pipe.sa_handler == SIG_DFL) ::signal(SIGPIPE, SIG_IGN);
-  awaitActivation();
+  const std::size_t warmed = awaitActivation();
   WorkerEnv env = WorkerEnv::fromEnvironment(processEnv());
   log::setup({.role = "worker", .rank = env.rank, .defaultLevel = spdlog::level::warn});
+  if (warmed > 0) log::info("spare: {} MB of full-parameter block memory faulted in while it waited", warmed >> 20);
   std::string token;
   if (!env.tokenFile.empty()) {
     std::ifstream in(env.tokenFile);

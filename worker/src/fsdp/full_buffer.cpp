@@ -1,6 +1,7 @@
 // The memory of full parameters and gradients (see full_buffer.hpp).
 #include "full_buffer.hpp"
 
+#include <ATen/Context.h>
 #include <ATen/Functions.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/StorageImpl.h>
@@ -10,9 +11,11 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <map>
 #include <mutex>
 #include <string>
+#include <utility>
 
 #include "fsdp/common/error.hpp"
 
@@ -26,42 +29,107 @@ namespace {
 constexpr std::size_t kMapThreshold = std::size_t{1} << 20;
 constexpr std::size_t kMapHeader = 64;  // keeps the block's size; data stays 64-byte aligned
 
+// A mapped block: its base (the header's) and the bytes mapped there.
+struct Mapped {
+  char* base = nullptr;
+  std::size_t length = 0;
+};
+
 // Freed blocks stay mapped for the next block of the same length, up to a budget: huge pages
 // still fault in and are zeroed by the kernel on first touch, which cost a quarter of a rank's
 // FULL_SHARD DeepNet step (perf: clear_page_erms under do_huge_pmd_anonymous_page) when every
 // gather and gradient mapped fresh memory. A unit's block comes back for its next gather (or
 // an equal-sized unit's), so what the cache holds is what the next step needs anyway.
 // FSDP_BLOCK_CACHE_MB bounds it per process (default 1024; 0 turns it off).
+//
+// A new process's first step still faults every block in (DeepNet, 2 ranks on 2 cores: a median
+// step of 0.85 s with FSDP_BLOCK_CACHE_MB=0 against 0.58 s; on a virtual machine whose host
+// backs memory at its first touch, 1 GB takes 0.7-3 s), and the survivors wait on the first step
+// of a lost rank's replacement. A spare (fsdprun --standby) faults in a reserve while it waits
+// instead (warmSpareBlocks); blocks the cache does not hold are cut from it. Its untouched rest
+// counts against the same budget and gives way to freed blocks.
 class BlockCache {
  public:
   BlockCache() {
     const char* mb = std::getenv("FSDP_BLOCK_CACHE_MB");
     budget_ = (mb != nullptr ? std::strtoull(mb, nullptr, 10) : 1024ULL) << 20;
   }
-  // A cached block of exactly `length` bytes, or nullptr.
-  void* take(std::size_t length) {
+  std::size_t budget() const { return budget_; }
+  // A cached block of exactly `length` bytes, else a piece of the reserve; base nullptr: neither.
+  Mapped take(std::size_t length) {
     std::scoped_lock lock(mutex_);
-    const auto it = blocks_.find(length);
-    if (it == blocks_.end()) return nullptr;
-    void* base = it->second;
-    blocks_.erase(it);
-    bytes_ -= length;
-    return base;
+    if (const auto it = blocks_.find(length); it != blocks_.end()) {
+      const Mapped block = it->second;
+      blocks_.erase(it);
+      bytes_ -= block.length;
+      return block;
+    }
+    const std::size_t piece = roundUp(length, kHugePage);
+    if (reserveLeft_ < piece) return {};
+    const Mapped block{reserveNext_, piece};
+    reserveNext_ += piece;
+    reserveLeft_ -= piece;
+    bytes_ -= piece;
+    return block;
   }
-  // Keeps the block when it fits the budget; false: the caller unmaps it.
-  bool give(void* base, std::size_t length) {
+  // Keeps the block (looked up by `length`) when it fits the budget, the reserve's rest
+  // shrinking first; false: the caller unmaps it.
+  bool give(std::size_t length, Mapped block) {
     std::scoped_lock lock(mutex_);
-    if (bytes_ + length > budget_) return false;
-    blocks_.emplace(length, base);
-    bytes_ += length;
+    if (bytes_ + block.length > budget_) shrinkReserve(bytes_ + block.length - budget_);
+    if (bytes_ + block.length > budget_) return false;
+    blocks_.emplace(length, block);
+    bytes_ += block.length;
     return true;
+  }
+  // Maps `bytes` (2 MB aligned, at most the budget, huge pages advised) and faults them in;
+  // the bytes reserved, 0 where it cannot.
+  std::size_t reserve(std::size_t bytes) {
+    bytes = std::min(roundUp(bytes, kHugePage), budget_ / kHugePage * kHugePage);
+    if (bytes == 0) return 0;
+    {
+      std::scoped_lock lock(mutex_);
+      if (std::exchange(reserved_, true)) return 0;  // one reserve per process
+    }
+    const std::size_t span = bytes + kHugePage;
+    void* raw = ::mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED) return 0;
+    auto* const start = static_cast<char*>(raw);
+    auto* const base = reinterpret_cast<char*>(roundUp(reinterpret_cast<std::uintptr_t>(start), kHugePage));
+    if (base > start) ::munmap(start, static_cast<std::size_t>(base - start));
+    if (base + bytes < start + span) ::munmap(base + bytes, static_cast<std::size_t>(start + span - base - bytes));
+    ::madvise(base, bytes, MADV_HUGEPAGE);
+    if (::madvise(base, bytes, kPopulateWrite) != 0) {
+      // Before Linux 5.14: a write per page.
+      for (std::size_t at = 0; at < bytes; at += 4096) static_cast<volatile char*>(base)[at] = 0;
+    }
+    std::scoped_lock lock(mutex_);
+    reserveNext_ = base;
+    reserveLeft_ = bytes;
+    bytes_ += bytes;
+    return bytes;
   }
 
  private:
+  static constexpr std::size_t kHugePage = std::size_t{2} << 20;
+  static constexpr int kPopulateWrite = 23;  // MADV_POPULATE_WRITE, Linux 5.14
+  static constexpr std::size_t roundUp(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
+
+  void shrinkReserve(std::size_t excess) {
+    const std::size_t cut = std::min(reserveLeft_, roundUp(excess, kHugePage));
+    if (cut == 0) return;
+    ::munmap(reserveNext_ + reserveLeft_ - cut, cut);
+    reserveLeft_ -= cut;
+    bytes_ -= cut;
+  }
+
   std::mutex mutex_;
-  std::multimap<std::size_t, void*> blocks_;
-  std::size_t bytes_ = 0;
+  std::multimap<std::size_t, Mapped> blocks_;
+  std::size_t bytes_ = 0;  // cached blocks and the reserve's rest
   std::size_t budget_ = 0;
+  bool reserved_ = false;
+  char* reserveNext_ = nullptr;
+  std::size_t reserveLeft_ = 0;
 };
 
 // Never destroyed: blocks are freed from tensor deleters, which may run during exit.
@@ -70,25 +138,36 @@ BlockCache& blockCache() {
   return *cache;
 }
 
+// The header before a block's data: the length it is cached under, and what is mapped.
+struct BlockHeader {
+  std::size_t length;
+  std::size_t mapped;
+};
+static_assert(sizeof(BlockHeader) <= kMapHeader);
+
 void freeMapped(void* base) {
-  std::size_t length = 0;
-  std::memcpy(&length, base, sizeof length);
-  if (!blockCache().give(base, length)) ::munmap(base, length);
+  BlockHeader header{};
+  std::memcpy(&header, base, sizeof header);
+  if (!blockCache().give(header.length, {static_cast<char*>(base), header.mapped})) {
+    ::munmap(base, header.mapped);
+  }
 }
 
 at::DataPtr mapBlock(std::size_t nbytes, at::Device device) {
   const std::size_t length = nbytes + kMapHeader;
-  if (void* cached = blockCache().take(length)) {
-    return at::DataPtr(static_cast<char*>(cached) + kMapHeader, cached, &freeMapped, device);
+  Mapped block = blockCache().take(length);
+  if (block.base == nullptr) {
+    void* base = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base == MAP_FAILED) {
+      throw Error("fsdp: cannot map " + std::to_string(nbytes) + " bytes for full parameters: " +
+                  std::strerror(errno));
+    }
+    ::madvise(base, length, MADV_HUGEPAGE);  // advice only: ignored where THP is off
+    block = {static_cast<char*>(base), length};
   }
-  void* base = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (base == MAP_FAILED) {
-    throw Error("fsdp: cannot map " + std::to_string(nbytes) + " bytes for full parameters: " +
-                std::strerror(errno));
-  }
-  ::madvise(base, length, MADV_HUGEPAGE);  // advice only: ignored where THP is off
-  std::memcpy(base, &length, sizeof length);
-  return at::DataPtr(static_cast<char*>(base) + kMapHeader, base, &freeMapped, device);
+  const BlockHeader header{length, block.length};
+  std::memcpy(block.base, &header, sizeof header);
+  return at::DataPtr(block.base + kMapHeader, block.base, &freeMapped, device);
 }
 
 // The deleters of full-parameter memory. Besides freeing, they mark a storage as managed by
@@ -103,6 +182,21 @@ at::DataPtr allocateBlock(std::size_t nbytes, at::Device device) {
 }
 
 }  // namespace
+
+std::size_t warmSpareBlocks() {
+  // Blocks of a LibTorch with CUDA are most likely the device's, never these.
+  if (at::hasCUDA()) return 0;
+  std::size_t bytes = blockCache().budget();
+  if (const char* mb = std::getenv("FSDP_SPARE_WARM_MB")) bytes = std::strtoull(mb, nullptr, 10) << 20;
+  if (bytes == 0) return 0;
+  // Never at the cost of the host's memory: a quarter of what is available at most.
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  std::size_t kb = 0;
+  while (meminfo >> key >> kb && key != "MemAvailable:") meminfo.ignore(256, '\n');
+  if (key != "MemAvailable:" || (kb << 10) / 4 < bytes) return 0;
+  return blockCache().reserve(bytes);
+}
 
 bool managedByFsdp(const at::Tensor& tensor) {
   if (!tensor.has_storage()) return false;

@@ -6,12 +6,20 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Storage.h>
 
+#include <cstddef>
 #include <cstdint>
 
 namespace fsdp::worker::detail {
 
 // True when the tensor's memory was allocated here (a parameter already wrapped by FSDP).
 bool managedByFsdp(const at::Tensor& tensor);
+
+// For a spare (fsdprun --standby) while it waits, before the program builds its model: faults in
+// the memory its first step's blocks are cut from, so that the step the survivors wait on does
+// not fault them in. FSDP_SPARE_WARM_MB (default: FSDP_BLOCK_CACHE_MB's budget, which it counts
+// against; 0: none). Nothing where LibTorch has CUDA or the host has under 4 times that
+// available. Returns the bytes faulted in.
+std::size_t warmSpareBlocks();
 
 // A 1-D tensor of `numel` elements over a fresh block (uninitialised).
 at::Tensor emptyBlock(std::int64_t numel, const at::TensorOptions& options);

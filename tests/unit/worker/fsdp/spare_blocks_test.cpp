@@ -1,0 +1,85 @@
+// The block memory a spare faults in while it waits (worker/src/fsdp/full_buffer.hpp, an
+// internal): the blocks of its first step are cut from it, already in memory, and what it holds
+// stays within the block cache's budget. Each test runs in its own process (gtest discovery), so
+// the cache's budget is read afresh.
+#include "fsdp/full_buffer.hpp"
+
+#include <ATen/Functions.h>
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <vector>
+
+namespace fsdp::worker::detail {
+namespace {
+
+constexpr std::size_t kMiB = std::size_t{1} << 20;
+
+// The fraction of the block's pages in memory (mincore), before anything writes to them.
+double residentFraction(const at::Tensor& block) {
+  const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto begin = reinterpret_cast<std::uintptr_t>(block.data_ptr()) / page * page;
+  const auto end = reinterpret_cast<std::uintptr_t>(block.data_ptr()) + block.nbytes();
+  std::vector<unsigned char> pages((end - begin + page - 1) / page);
+  EXPECT_EQ(::mincore(reinterpret_cast<void*>(begin), end - begin, pages.data()), 0);
+  std::size_t in = 0;
+  for (const unsigned char p : pages) in += p & 1U;
+  return static_cast<double>(in) / static_cast<double>(pages.size());
+}
+
+at::Tensor block12MiB() { return emptyBlock(3 * static_cast<std::int64_t>(kMiB), at::kFloat); }
+
+TEST(SpareBlocks, BlocksCutFromTheWarmedMemoryAreInMemoryBeforeTheirFirstWrite) {
+  ::setenv("FSDP_SPARE_WARM_MB", "32", 1);
+  ASSERT_EQ(warmSpareBlocks(), 32 * kMiB);
+  // 12 MiB and a header: 14 MiB of it each (whole huge pages), two fit, the third does not.
+  const auto first = block12MiB();
+  const auto second = block12MiB();
+  const auto third = block12MiB();
+  EXPECT_EQ(residentFraction(first), 1.0);
+  EXPECT_EQ(residentFraction(second), 1.0);
+  EXPECT_LT(residentFraction(third), 0.5) << "a fresh mapping: only its header's page written";
+  // Every block is its own memory.
+  first.fill_(1);
+  second.fill_(2);
+  third.fill_(3);
+  EXPECT_EQ(first.sum().item<double>(), 3.0 * kMiB);
+  EXPECT_EQ(second.sum().item<double>(), 6.0 * kMiB);
+  EXPECT_EQ(third.sum().item<double>(), 9.0 * kMiB);
+}
+
+TEST(SpareBlocks, NoneWhenTurnedOff) {
+  ::setenv("FSDP_SPARE_WARM_MB", "0", 1);
+  EXPECT_EQ(warmSpareBlocks(), 0U);
+  EXPECT_LT(residentFraction(block12MiB()), 0.5);
+}
+
+// The reserve counts against FSDP_BLOCK_CACHE_MB: never more than it, and its untouched rest
+// gives way to a freed block, which the next block of that length takes back.
+TEST(SpareBlocks, TheBlockCachesBudgetBoundsItAndItsRestGivesWayToFreedBlocks) {
+  ::setenv("FSDP_BLOCK_CACHE_MB", "16", 1);
+  ::setenv("FSDP_SPARE_WARM_MB", "64", 1);
+  ASSERT_EQ(warmSpareBlocks(), 16 * kMiB);
+  auto one = emptyBlock(static_cast<std::int64_t>(kMiB), at::kFloat);  // 4 MiB: 6 of it
+  EXPECT_EQ(residentFraction(one), 1.0);
+  const void* const where = one.data_ptr();
+  one = at::Tensor();  // cached: 6 MiB, with the rest's 10 MiB at the budget
+  auto again = emptyBlock(static_cast<std::int64_t>(kMiB), at::kFloat);
+  EXPECT_EQ(again.data_ptr(), where);
+  EXPECT_EQ(residentFraction(again), 1.0);
+  // A 12 MiB block does not fit the rest's 10 MiB: a fresh mapping. Freed, it is kept (the rest
+  // gives way to it), and the next block of its length is that one.
+  auto big = block12MiB();
+  EXPECT_LT(residentFraction(big), 0.5);
+  big.fill_(1);
+  big = at::Tensor();
+  again = at::Tensor();  // does not fit any more: unmapped
+  // In memory: the block written before (a new mapping, even at the same address, is not).
+  EXPECT_EQ(residentFraction(block12MiB()), 1.0) << "the rest gave way: the freed block was kept";
+}
+
+}  // namespace
+}  // namespace fsdp::worker::detail
