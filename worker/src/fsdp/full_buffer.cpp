@@ -99,7 +99,7 @@ class BlockCache {
     if (base > start) ::munmap(start, static_cast<std::size_t>(base - start));
     if (base + bytes < start + span) ::munmap(base + bytes, static_cast<std::size_t>(start + span - base - bytes));
     ::madvise(base, bytes, MADV_HUGEPAGE);
-    if (::madvise(base, bytes, kPopulateWrite) != 0) {
+    if (::madvise(base, bytes, MADV_POPULATE_WRITE) != 0) {
       // Before Linux 5.14: a write per page.
       for (std::size_t at = 0; at < bytes; at += 4096) static_cast<volatile char*>(base)[at] = 0;
     }
@@ -112,7 +112,6 @@ class BlockCache {
 
  private:
   static constexpr std::size_t kHugePage = std::size_t{2} << 20;
-  static constexpr int kPopulateWrite = 23;  // MADV_POPULATE_WRITE, Linux 5.14
   static constexpr std::size_t roundUp(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
 
   void shrinkReserve(std::size_t excess) {
