@@ -1,5 +1,5 @@
 // A fsdp::Trainer job whose rank 1 dies after an epoch's evaluation and before the next epoch's
-// first step is saved (trainer_epochs_worker.cpp): the survivors re-form in process and resume at
+// first step is saved (trainer_epochs_worker.cpp), or in a checkpoint save (last test): the survivors re-form in process and resume at
 // that epoch's end, where rank 0, which wrote the evaluation's lines, is still there. Every epoch
 // is evaluated once in the metrics, with the values of a run never stopped, and the job ends as
 // that run does.
@@ -35,12 +35,13 @@ struct EpochsRun {
   std::map<int, std::string> finals;   // rank -> state hash
 };
 
-EpochsRun runEpochs(int examples, bool kill) {
+// mode: "" (no failure), "--kill", "--snapshots" or "--kill-in-save" (trainer_epochs_worker.cpp).
+EpochsRun runEpochs(int examples, const std::string& mode) {
   TempDir dir;
   std::vector<std::string> argv = {kBin + "/fsdprun", "--nproc_per_node", "3", "--max_restarts", "2",
                                    "--restart_mode", "auto", "--rdzv_id", "epochs-" + std::to_string(::getpid()),
                                    kBin + "/trainer_epochs_worker", dir.path(), std::to_string(examples)};
-  if (kill) argv.push_back("--kill");
+  if (!mode.empty()) argv.push_back(mode);
   const auto r = runCommand(argv, 240s, {"TMPDIR=" + dir.path()});
   EpochsRun run{r.exitCode, r.err, {}, {}, {}};
   for (const auto& line : metricsLines(dir.path() + "/metrics.jsonl")) {
@@ -61,10 +62,10 @@ EpochsRun runEpochs(int examples, bool kill) {
 // before the kill, by rank 0, which survives.
 void expectOneEvaluationPerEpoch(int examples) {
   SCOPED_TRACE(std::to_string(examples) + " examples");
-  const auto reference = runEpochs(examples, false);
+  const auto reference = runEpochs(examples, "");
   ASSERT_EQ(reference.exitCode, 0) << reference.err;
   ASSERT_EQ(reference.evals.size(), 3u) << reference.err;
-  const auto run = runEpochs(examples, true);
+  const auto run = runEpochs(examples, "--kill");
   ASSERT_EQ(run.exitCode, 0) << run.err;
   ASSERT_EQ(run.resumes.size(), 1u) << run.err;
   EXPECT_EQ(run.resumes[0].value("step", -1), 5) << run.resumes[0].dump();
@@ -87,5 +88,27 @@ TEST(ReformTrainer, AnEpochEvaluatedBeforeTheFailureIsNotEvaluatedAgainWhereRank
 }
 
 TEST(ReformTrainer, TheSameWhenTheEpochEndsWithALeftOutBatch) { expectOneEvaluationPerEpoch(61); }
+
+// Rank 1 dies in its checkpoint save of step 5 before it writes its file, while rank 0 waits for
+// it in the same save (the others' files are waited for in the store, not in a collective). The
+// agent's abort notice ends that wait: rank 0 re-forms with rank 2 in process, at once, not
+// after the hang watchdog's bound as a new process; the job ends as the run never stopped does.
+TEST(ReformTrainer, ARankLostWhileRankZeroWaitsForItsCheckpointFileReformsInProcess) {
+  const auto reference = runEpochs(60, "--snapshots");
+  ASSERT_EQ(reference.exitCode, 0) << reference.err;
+  ASSERT_EQ(reference.evals.size(), 3u) << reference.err;
+  const auto run = runEpochs(60, "--kill-in-save");
+  ASSERT_EQ(run.exitCode, 0) << run.err;
+  EXPECT_NE(run.err.find("rank(s) 0, 2 re-form in process"), std::string::npos) << run.err;
+  ASSERT_EQ(run.resumes.size(), 1u) << run.err;
+  EXPECT_EQ(run.resumes[0].value("path", ""), "in_process") << run.resumes[0].dump() << "\n" << run.err;
+  EXPECT_EQ(run.err.find("has not re-formed"), std::string::npos) << run.err;
+  ASSERT_EQ(run.evals.size(), 3u) << run.err;
+  for (std::size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(run.evals[i].value("loss", 0.0), reference.evals[i].value("loss", -1.0)) << "eval line " << i;
+  }
+  ASSERT_EQ(run.finals.size(), 3u) << run.err;
+  EXPECT_EQ(run.finals, reference.finals) << run.err;
+}
 
 }  // namespace
