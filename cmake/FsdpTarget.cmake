@@ -7,6 +7,12 @@ function(fsdp_target_defaults target)
   if(FSDP_WERROR)
     target_compile_options(${target} PRIVATE -Werror)
   endif()
+  if(FSDP_UNITY)
+    # In a batch, a source's anonymous namespace is no longer its main file's: GCC's warning
+    # about types from it in members of named types would fire where nothing leaks.
+    set_target_properties(${target} PROPERTIES UNITY_BUILD ON UNITY_BUILD_BATCH_SIZE ${FSDP_UNITY_BATCH})
+    target_compile_options(${target} PRIVATE -Wno-subobject-linkage)
+  endif()
   if(FSDP_SANITIZE)
     # The sanitizers' instrumentation makes GCC 12 report maybe-uninitialized inside libstdc++
     # (std::regex, std::function) where nothing is; the plain build keeps the warning.

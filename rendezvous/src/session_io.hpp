@@ -6,6 +6,8 @@
 namespace fsdp::rendezvous {
 
 using SteadyTimePoint = boost::asio::steady_timer::clock_type::time_point;
+// The completion token of every coroutine's asynchronous operation.
+inline constexpr auto kUseAwaitable = boost::asio::use_awaitable;
 
 // Reads exactly buffer.size() bytes. What the kernel already holds is taken at once (no timer
 // on the hot path); the rest must arrive before `deadline`, else TimeoutError naming `what`.

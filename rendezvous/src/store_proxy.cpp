@@ -23,7 +23,6 @@ namespace asio = boost::asio;
 using asio::awaitable;
 using asio::ip::tcp;
 using namespace asio::experimental::awaitable_operators;
-constexpr auto kUseAwaitable = asio::use_awaitable;
 
 namespace {
 

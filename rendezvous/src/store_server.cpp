@@ -18,7 +18,6 @@ namespace asio = boost::asio;
 using asio::awaitable;
 using asio::ip::tcp;
 using namespace asio::experimental::awaitable_operators;
-constexpr auto kUseAwaitable = asio::use_awaitable;
 using detail::TimePoint;
 
 awaitable<void> readExact(tcp::socket& socket, asio::mutable_buffer buffer, TimePoint deadline,

@@ -318,11 +318,11 @@ Communicators buildCommunicators(const WorkerEnv& env, rendezvous::StoreClient& 
                       glooUnavailableReason());
   }
   if (choice.backend == Backend::kNccl) {
-    auto nccl = createNcclCommunicator(*store, {.rank = env.rank,
-                                                .size = env.worldSize,
-                                                .device = choice.device,
-                                                .storePrefix = round + "nccl/world",
-                                                .timeout = options.timeout});
+    auto nccl = worker::createNcclCommunicator(*store, {.rank = env.rank,
+                                                        .size = env.worldSize,
+                                                        .device = choice.device,
+                                                        .storePrefix = round + "nccl/world",
+                                                        .timeout = options.timeout});
     return {std::move(nccl), std::move(gloo), Backend::kNccl, choice.reason};
   }
   // kShm where ranks are not node-major (or one per node): Gloo for the world; HYBRID_SHARD's

@@ -5,13 +5,13 @@
 
 #include "fsdp/common/log.hpp"
 #include "server_state.hpp"
+#include "../session_io.hpp"
 
 namespace fsdp::rendezvous {
 
 namespace asio = boost::asio;
 using asio::awaitable;
 using namespace asio::experimental::awaitable_operators;
-constexpr auto kUseAwaitable = asio::use_awaitable;
 
 void Session::send(std::vector<std::uint8_t> frame) {
   if (closed_) return;

@@ -6,12 +6,12 @@
 #include "fsdp/common/log.hpp"
 #include "fsdp/common/sha256.hpp"
 #include "server_state.hpp"
+#include "../session_io.hpp"
 
 namespace fsdp::rendezvous {
 
 namespace asio = boost::asio;
 using asio::awaitable;
-constexpr auto kUseAwaitable = asio::use_awaitable;
 
 // HELLO names the run; with a job token the server answers a nonce and the client proves the
 // token with AUTH (HMAC-SHA256 over the run and both nonces), compared in constant time.

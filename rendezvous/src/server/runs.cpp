@@ -2,12 +2,12 @@
 // and the delivery of round events to the agents' connections.
 #include "fsdp/common/log.hpp"
 #include "server_state.hpp"
+#include "../session_io.hpp"
 
 namespace fsdp::rendezvous {
 
 namespace asio = boost::asio;
 using asio::awaitable;
-constexpr auto kUseAwaitable = asio::use_awaitable;
 using detail::TimePoint;
 
 namespace {

@@ -6,6 +6,7 @@
 #include "fsdp/common/log.hpp"
 #include "pytorch_dialect.hpp"
 #include "server_state.hpp"
+#include "../session_io.hpp"
 
 namespace fsdp::rendezvous {
 
@@ -13,7 +14,6 @@ namespace asio = boost::asio;
 using asio::awaitable;
 using asio::ip::tcp;
 using namespace asio::experimental::awaitable_operators;
-constexpr auto kUseAwaitable = asio::use_awaitable;
 using detail::TimePoint;
 
 std::string peerName(const tcp::socket& socket) {

@@ -18,6 +18,7 @@
 #include "run_command.hpp"
 #include "summary_line.hpp"
 
+namespace checkpoint_hang {  // its own names in a unity batch
 namespace {
 
 namespace fs = std::filesystem;
@@ -193,3 +194,4 @@ TEST_F(CheckpointHangs, ARankSlowInItsOwnWriteHoldsBackTheOtherNodeToo) {
 }
 
 }  // namespace
+}  // namespace checkpoint_hang

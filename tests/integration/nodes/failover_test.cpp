@@ -19,6 +19,7 @@
 #include "node_job.hpp"
 #include "summary_line.hpp"
 
+namespace failover {  // its own names in a unity batch
 namespace {
 
 using fsdp::testing::runCommand;
@@ -241,3 +242,4 @@ TEST(Spares, ASpareRunningAnotherProgramIsRefusedNamingBoth) {
 }
 
 }  // namespace
+}  // namespace failover

@@ -16,6 +16,7 @@
 #include "run_command.hpp"
 #include "summary_line.hpp"
 
+namespace trainer_epochs {  // its own names in a unity batch
 namespace {
 
 using fsdp::testing::metricsLines;
@@ -112,3 +113,4 @@ TEST(ReformTrainer, ARankLostWhileRankZeroWaitsForItsCheckpointFileReformsInProc
 }
 
 }  // namespace
+}  // namespace trainer_epochs

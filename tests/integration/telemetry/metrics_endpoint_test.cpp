@@ -18,6 +18,7 @@
 #include "rdzv_daemon.hpp"
 #include "run_command.hpp"
 
+namespace metrics_endpoint {  // its own names in a unity batch
 namespace {
 
 namespace fs = std::filesystem;
@@ -143,3 +144,4 @@ TEST(MetricsEndpoint, TheStandaloneRendezvousServerServesItsFigures) {
 }
 
 }  // namespace
+}  // namespace metrics_endpoint

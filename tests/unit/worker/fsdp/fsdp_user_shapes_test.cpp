@@ -107,13 +107,13 @@ Batches makeBatches(int steps, int batch, int in, int out, std::uint64_t seed = 
   return {at::randn({steps, batch, in}, gen), at::randn({steps, batch, out}, gen)};
 }
 
-constexpr int kSteps = 6;
-constexpr int kBatch = 12;
+constexpr int kShapeSteps = 6;
+constexpr int kShapeBatch = 12;
 
 Params trainLoraSingle(const Batches& data) {
   auto model = makeLoraModel();
   torch::optim::Adam opt(trainable(*model), torch::optim::AdamOptions(0.01));
-  for (int s = 0; s < kSteps; ++s) {
+  for (int s = 0; s < kShapeSteps; ++s) {
     opt.zero_grad();
     torch::nn::functional::mse_loss(model->forward(data.x[s]), data.y[s]).backward();
     opt.step();
@@ -125,7 +125,7 @@ class FsdpLora : public ::testing::TestWithParam<int> {};
 
 TEST_P(FsdpLora, FrozenBasesAndTrainableAdaptersMatchOneProcessAndHoldGradientsForAdaptersOnly) {
   const int world = GetParam();
-  const auto data = makeBatches(kSteps, kBatch, 12, 5);
+  const auto data = makeBatches(kShapeSteps, kShapeBatch, 12, 5);
   const auto expected = trainLoraSingle(data);
   Params actual;
   std::mutex mutex;
@@ -135,8 +135,8 @@ TEST_P(FsdpLora, FrozenBasesAndTrainableAdaptersMatchOneProcessAndHoldGradientsF
     for (const auto& u : model->units()) paths.push_back(u.path);
     ASSERT_EQ(paths, (std::vector<std::string>{"", "embed", "lora1", "lora2"}));
     torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(0.01));
-    const int local = kBatch / world;
-    for (int s = 0; s < kSteps; ++s) {
+    const int local = kShapeBatch / world;
+    for (int s = 0; s < kShapeSteps; ++s) {
       opt.zero_grad();
       auto x = data.x[s].narrow(0, ctx.rank * local, local);
       auto y = data.y[s].narrow(0, ctx.rank * local, local);
@@ -173,7 +173,7 @@ INSTANTIATE_TEST_SUITE_P(Ranks, FsdpLora, ::testing::Values(2, 4),
 
 // One loss over two forwards of the same model: the backward must count both forwards' calls.
 TEST(FsdpLoraTwoForwards, ALossOverTwoForwardsMatchesOneProcessWithAndWithoutCheckpointing) {
-  const auto data = makeBatches(kSteps, kBatch, 12, 5);
+  const auto data = makeBatches(kShapeSteps, kShapeBatch, 12, 5);
   const auto lossOf = [](const std::function<at::Tensor(at::Tensor)>& f, const at::Tensor& x, const at::Tensor& y) {
     const auto half = x.size(0) / 2;
     return torch::nn::functional::mse_loss(f(x.narrow(0, 0, half)), y.narrow(0, 0, half)) +
@@ -181,7 +181,7 @@ TEST(FsdpLoraTwoForwards, ALossOverTwoForwardsMatchesOneProcessWithAndWithoutChe
   };
   auto reference = makeLoraModel();
   torch::optim::SGD refOpt(trainable(*reference), 0.05);
-  for (int s = 0; s < kSteps; ++s) {
+  for (int s = 0; s < kShapeSteps; ++s) {
     refOpt.zero_grad();
     lossOf([&](at::Tensor x) { return reference->forward(x); }, data.x[s], data.y[s]).backward();
     refOpt.step();
@@ -192,7 +192,7 @@ TEST(FsdpLoraTwoForwards, ALossOverTwoForwardsMatchesOneProcessWithAndWithoutChe
       FullyShardedDataParallel model(makeLoraModel(), ctx.comm,
                                      {.autoWrap = loraPolicy(), .activationCheckpointing = checkpointing});
       torch::optim::SGD opt(model->parameters(), 0.05);
-      for (int s = 0; s < kSteps; ++s) {
+      for (int s = 0; s < kShapeSteps; ++s) {
         opt.zero_grad();
         lossOf([&](at::Tensor x) { return model->forward(x); }, data.x[s].narrow(0, ctx.rank * 6, 6),
                data.y[s].narrow(0, ctx.rank * 6, 6))
@@ -220,10 +220,10 @@ TEST(FsdpFrozen, AFrozenLayerBeforeATrainableOneInANonFirstUnitIsReadInBackward)
     m->named_parameters()["block.module.0.bias"].set_requires_grad(false);
     return m;
   };
-  const auto data = makeBatches(kSteps, kBatch, 8, 4);
+  const auto data = makeBatches(kShapeSteps, kShapeBatch, 8, 4);
   auto reference = build();
   torch::optim::SGD refOpt(trainable(*reference), torch::optim::SGDOptions(0.05).momentum(0.9));
-  for (int s = 0; s < kSteps; ++s) {
+  for (int s = 0; s < kShapeSteps; ++s) {
     refOpt.zero_grad();
     torch::nn::functional::mse_loss(reference->forward(data.x[s]), data.y[s]).backward();
     refOpt.step();
@@ -232,7 +232,7 @@ TEST(FsdpFrozen, AFrozenLayerBeforeATrainableOneInANonFirstUnitIsReadInBackward)
   runRanks(2, [&](RankContext& ctx) {
     FullyShardedDataParallel model(build(), ctx.comm);
     torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
-    for (int s = 0; s < kSteps; ++s) {
+    for (int s = 0; s < kShapeSteps; ++s) {
       opt.zero_grad();
       auto x = data.x[s].narrow(0, ctx.rank * 6, 6);
       auto y = data.y[s].narrow(0, ctx.rank * 6, 6);
@@ -258,11 +258,11 @@ torch::nn::Sequential makeDropoutModel() {
 }
 
 TEST(FsdpCheckpointing, ABlockWithDropoutDrawsTheSameMasksWhenRecomputedAndMatchesThePlainModule) {
-  const auto data = makeBatches(kSteps, 8, 6, 3);
+  const auto data = makeBatches(kShapeSteps, 8, 6, 3);
   torch::manual_seed(77);
   auto reference = makeDropoutModel();
   torch::optim::SGD refOpt(reference->parameters(), 0.1);
-  for (int s = 0; s < kSteps; ++s) {
+  for (int s = 0; s < kShapeSteps; ++s) {
     refOpt.zero_grad();
     torch::nn::functional::mse_loss(reference->forward(data.x[s]), data.y[s]).backward();
     refOpt.step();
@@ -274,7 +274,7 @@ TEST(FsdpCheckpointing, ABlockWithDropoutDrawsTheSameMasksWhenRecomputedAndMatch
       FullyShardedDataParallel model(makeDropoutModel(), ctx.comm,
                                      {.activationCheckpointing = checkpointing});
       torch::optim::SGD opt(model->parameters(), 0.1);
-      for (int s = 0; s < kSteps; ++s) {
+      for (int s = 0; s < kShapeSteps; ++s) {
         opt.zero_grad();
         torch::nn::functional::mse_loss(model->forward(data.x[s]), data.y[s]).backward();
         opt.step();
@@ -383,11 +383,11 @@ TEST(FsdpBackwardFailure, AStepWhoseBackwardThrowsIsDroppedAndTheNextStepsMatchO
     return m;
   };
   constexpr int kFailing = 2;
-  const auto data = makeBatches(kSteps, kBatch, 13, 5);
+  const auto data = makeBatches(kShapeSteps, kShapeBatch, 13, 5);
   const auto trainLoop = [&](torch::nn::Sequential gateOwner, const std::function<at::Tensor(at::Tensor)>& forward,
                              torch::optim::Optimizer& opt, int rank, int world) {
-    const int local = kBatch / world;
-    for (int s = 0; s < kSteps; ++s) {
+    const int local = kShapeBatch / world;
+    for (int s = 0; s < kShapeSteps; ++s) {
       opt.zero_grad();
       gateOwner[2]->as<GateImpl>()->armed = s == kFailing;
       auto x = data.x[s].narrow(0, rank * local, local);

@@ -18,7 +18,7 @@ namespace fd = fsdp::worker::detail;
 namespace rdzv = fsdp::rendezvous;
 using fsdp::testing::FakeNcclApi;
 
-constexpr auto kBound = 30s;
+constexpr auto kBootstrapBound = 30s;
 
 struct Store {
   rdzv::StoreServer server{rdzv::ServerOptions{}};
@@ -111,7 +111,7 @@ TEST(NcclBootstrap, TheExchangeWaitsOnlyUntilTheSharedDeadline) {
   auto joined = std::async(std::launch::async, [&] {
     fd::joinNcclGroup(*client, options(1, 2, 60s), fake, fsdp::Deadline::after(300ms));
   });
-  ASSERT_EQ(joined.wait_for(kBound), std::future_status::ready)
+  ASSERT_EQ(joined.wait_for(kBootstrapBound), std::future_status::ready)
       << "the exchange waited by the options' timeout, not by the deadline";
   EXPECT_THROW(joined.get(), fsdp::TimeoutError);
   EXPECT_EQ(fake.counts().aborts, 0) << "no communicator was made";
