@@ -23,6 +23,11 @@ function(fsdp_target_defaults target)
                                              -fno-sanitize-recover=undefined -Wno-maybe-uninitialized
                                              -O1 -g1)
     target_link_options(${target} PRIVATE -fsanitize=address,undefined)
+  elseif(NOT FSDP_FULL_DEBUG_INFO)
+    # -g1 after RelWithDebInfo's -g: line tables and function names, all that the hang reports'
+    # stacks, gdb's backtraces and a crash's trace read, at about 55% of the compile time of -g
+    # (worker's first unity batch: 25 s against 43 s; its precompiled header 29 s against 55 s).
+    target_compile_options(${target} PRIVATE $<$<CONFIG:RelWithDebInfo>:-g1>)
   endif()
 endfunction()
 

@@ -17,6 +17,7 @@
 #include <string>
 #include <utility>
 
+#include "fsdp/common/env.hpp"
 #include "fsdp/common/error.hpp"
 
 namespace fsdp::worker::detail {
@@ -35,6 +36,17 @@ struct Mapped {
   std::size_t length = 0;
 };
 
+// A size in megabytes from the environment, `fallback` when unset; anything but a whole number
+// from 0 to 2^30 (a petabyte) is refused with the variable's name, never read as a wrapped size.
+std::size_t envBytesFromMb(const char* name, std::size_t fallbackMb) {
+  const long long mb = envInt(processEnv(), name, static_cast<long long>(fallbackMb));
+  if (mb < 0 || mb > (1LL << 30)) {
+    throw ConfigError("environment variable " + std::string(name) + "='" + std::to_string(mb) +
+                      "': expected megabytes, from 0 to 1073741824");
+  }
+  return static_cast<std::size_t>(mb) << 20;
+}
+
 // Freed blocks stay mapped for the next block of the same length, up to a budget: huge pages
 // still fault in and are zeroed by the kernel on first touch, which cost a quarter of a rank's
 // FULL_SHARD DeepNet step (perf: clear_page_erms under do_huge_pmd_anonymous_page) when every
@@ -50,10 +62,7 @@ struct Mapped {
 // counts against the same budget and gives way to freed blocks.
 class BlockCache {
  public:
-  BlockCache() {
-    const char* mb = std::getenv("FSDP_BLOCK_CACHE_MB");
-    budget_ = (mb != nullptr ? std::strtoull(mb, nullptr, 10) : 1024ULL) << 20;
-  }
+  BlockCache() : budget_(envBytesFromMb("FSDP_BLOCK_CACHE_MB", 1024)) {}
   std::size_t budget() const { return budget_; }
   // A cached block of exactly `length` bytes, else a piece of the reserve; base nullptr: neither.
   Mapped take(std::size_t length) {
@@ -185,8 +194,7 @@ at::DataPtr allocateBlock(std::size_t nbytes, at::Device device) {
 std::size_t warmSpareBlocks() {
   // Blocks of a LibTorch with CUDA are most likely the device's, never these.
   if (at::hasCUDA()) return 0;
-  std::size_t bytes = blockCache().budget();
-  if (const char* mb = std::getenv("FSDP_SPARE_WARM_MB")) bytes = std::strtoull(mb, nullptr, 10) << 20;
+  const std::size_t bytes = envBytesFromMb("FSDP_SPARE_WARM_MB", blockCache().budget() >> 20);
   if (bytes == 0) return 0;
   // Never at the cost of the host's memory: a quarter of what is available at most.
   std::ifstream meminfo("/proc/meminfo");

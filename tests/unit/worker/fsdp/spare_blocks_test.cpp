@@ -4,6 +4,8 @@
 // the cache's budget is read afresh.
 #include "fsdp/full_buffer.hpp"
 
+#include "fsdp/common/error.hpp"
+
 #include <ATen/Functions.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
@@ -11,6 +13,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 namespace fsdp::worker::detail {
@@ -79,6 +82,31 @@ TEST(SpareBlocks, TheBlockCachesBudgetBoundsItAndItsRestGivesWayToFreedBlocks) {
   again = at::Tensor();  // does not fit any more: unmapped
   // In memory: the block written before (a new mapping, even at the same address, is not).
   EXPECT_EQ(residentFraction(block12MiB()), 1.0) << "the rest gave way: the freed block was kept";
+}
+
+// A size that is not a number of megabytes is refused with the variable's name, not read as
+// strtoull would (-1 a wrapped 16 EiB, "1g" 1 MiB).
+TEST(SpareBlocks, ABadWarmSizeIsRefusedWithTheVariablesName) {
+  ::setenv("FSDP_SPARE_WARM_MB", "1g", 1);
+  try {
+    warmSpareBlocks();
+    FAIL() << "FSDP_SPARE_WARM_MB=1g was taken";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("FSDP_SPARE_WARM_MB='1g': expected an integer"), std::string::npos) << e.what();
+  }
+}
+
+// The budget is read once a process (the cache's first use): a test of its own.
+TEST(SpareBlocks, ABadCacheBudgetIsRefusedWithTheVariablesName) {
+  ::setenv("FSDP_SPARE_WARM_MB", "8", 1);
+  ::setenv("FSDP_BLOCK_CACHE_MB", "-1", 1);
+  try {
+    warmSpareBlocks();
+    FAIL() << "FSDP_BLOCK_CACHE_MB=-1 was taken";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("FSDP_BLOCK_CACHE_MB='-1': expected megabytes, from 0 to"), std::string::npos)
+        << e.what();
+  }
 }
 
 }  // namespace
