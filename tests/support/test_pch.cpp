@@ -1,2 +1,2 @@
-// Empty: the target that builds the tests' precompiled header under FSDP_SANITIZE
+// Empty: the target that builds the tests' precompiled header
 // (tests/CMakeLists.txt) needs a source to compile it with.
