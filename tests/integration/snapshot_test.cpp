@@ -409,6 +409,30 @@ TEST(Standby, TheSparesStartedAheadBecomeTheRestartedWorkersAndUnusedOnesGoWithT
   expectNothingLeft(tag, runId);
 }
 
+// A spare that exits while it waits (here its program fails before fsdp::init(); an OOM kill or
+// a crash look the same) is named at once, with how it ended and its last stderr line: the
+// restart that would have used it starts a new process, and nothing else would say why.
+TEST(Standby, ASpareThatExitsWhileItWaitsIsNamedWithItsLastWordsAndTheRestartStartsANewProcess) {
+  const std::string runId = uniqueRunId("standby-exits");
+  const std::string tag = "FSDP_TEST_STANDBY=" + runId;
+  TempDir dir;
+  const auto r = runCommand({kBin + "/fsdprun", "--standby", "--nproc_per_node", "2", "--max_restarts", "1",
+                             "--rdzv_id", runId, kBin + "/standby_worker"},
+                            180s, {tag, "STANDBY_WORKER_SPARES_FAIL=" + dir.path()});
+  ASSERT_EQ(r.exitCode, 0) << r.out << r.err;
+  const auto lines = standbyLines(r.out);
+  ASSERT_TRUE(lines.contains({0, 1}) && lines.contains({1, 0}) && lines.contains({1, 1})) << r.out << r.err;
+  const int spare = lines.at({0, 1})["next_standby"].get<int>();
+  ASSERT_GT(spare, 0) << r.out;
+  EXPECT_NE(r.err.find("--standby: the spare of rank 1 (pid " + std::to_string(spare) +
+                       ") exited while it waited (exit code 4): standby_worker: this spare cannot start"),
+            std::string::npos)
+      << r.err;
+  EXPECT_FALSE(lines.at({1, 1})["standby"].get<bool>()) << r.out;
+  EXPECT_FALSE(lines.at({1, 0})["standby"].get<bool>()) << r.out;
+  expectNothingLeft(tag, runId);
+}
+
 TEST(Standby, ProgramsThatCannotWaitInInitAreUsageErrorsNamingTheFlag) {
   const auto noRestarts = runCommand({kBin + "/fsdprun", "--standby", kBin + "/standby_worker"}, 30s);
   EXPECT_EQ(noRestarts.exitCode, 2);

@@ -7,6 +7,9 @@
 //   passes a barrier and exits 0.
 // The spare is found as the agent's child whose environment holds FSDPRUN_STANDBY_FD, this
 // rank and the next restart count; the wait ends on it, bounded by 60 s (then exit 3).
+// STANDBY_WORKER_SPARES_FAIL=<dir>: every spare leaves before fsdp::init() (as a program whose
+// start fails), its pid in <dir>/spare-<rank>-<restart>, one line on stderr, exit code 4; rank 1
+// of restart 0 then waits for its own spare to have exited instead of for it to be up.
 #include <ATen/Functions.h>
 #include <signal.h>
 #include <unistd.h>
@@ -59,16 +62,52 @@ int findStandby(int rank, int restart) {
   return -1;
 }
 
+// Whether process `pid` has exited (a zombie its parent has not reaped, or gone).
+bool exited(int pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto close = text.rfind(')');
+  return close == std::string::npos || text.compare(close, 4, ") Z ") == 0;
+}
+
+// STANDBY_WORKER_SPARES_FAIL: the pid of the spare of `rank` for restart `restart`, once it has
+// exited; -1 after 60 s.
+int failedSpare(const std::string& dir, int rank, int restart) {
+  const std::string file = dir + "/spare-" + std::to_string(rank) + "-" + std::to_string(restart);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (std::chrono::steady_clock::now() < deadline) {
+    int pid = -1;
+    if (std::ifstream(file) >> pid && exited(pid)) return pid;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return -1;
+}
+
 }  // namespace
 
 int main() {
   const bool startedAsStandby = std::getenv("FSDPRUN_STANDBY_FD") != nullptr;  // init() unsets it
+  const char* sparesFail = std::getenv("STANDBY_WORKER_SPARES_FAIL");
+  if (startedAsStandby && sparesFail != nullptr) {
+    const std::string file = std::string(sparesFail) + "/spare-" + std::getenv("RANK") + "-" +
+                             std::getenv("TORCHELASTIC_RESTART_COUNT");
+    std::ofstream(file + ".part") << ::getpid() << "\n";
+    std::filesystem::rename(file + ".part", file);
+    std::fprintf(stderr, "standby_worker: this spare cannot start (STANDBY_WORKER_SPARES_FAIL)\n");
+    return 4;
+  }
   auto rt = fsdp::init();
   const int rank = rt->rank();
   const int restart = rt->env().restartCount;
   const int maxRestarts = std::atoi(std::getenv("TORCHELASTIC_MAX_RESTARTS"));
   int next = -1;
-  if (rank == 1 && restart < maxRestarts) {
+  if (rank == 1 && restart < maxRestarts && sparesFail != nullptr) {
+    next = failedSpare(sparesFail, rank, restart + 1);
+    if (next < 0) {
+      std::fprintf(stderr, "standby_worker: the spare of rank 1 for restart %d did not exit\n", restart + 1);
+      return 3;
+    }
+  } else if (rank == 1 && restart < maxRestarts) {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
     while ((next = findStandby(rank, restart + 1)) < 0 && std::chrono::steady_clock::now() < deadline) {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));

@@ -47,6 +47,13 @@ void Agent::startStandby(const Assignment& a, const std::string& runDir, const d
   }
 }
 
+void Agent::noteSpareExits() {
+  if (!standby_) return;
+  for (const auto& line : standby_->exitedSpares()) {
+    log::warn("--standby: the spare of {}; a restart starts a new process instead", line);
+  }
+}
+
 std::vector<detail::WorkerSpec> Agent::workerSpecs(const Assignment& a, const std::string& attemptDir) {
   std::vector<detail::WorkerSpec> specs;
   for (int local = 0; local < options_.nprocPerNode; ++local) {
@@ -114,6 +121,7 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
   if (standing) {
     standby_.reset();  // the survivors are the round's workers: no spares needed for it
   } else if (standby_) {
+    noteSpareExits();
     std::string why;
     if (standby_->activate(specs, why)) {
       standing = std::move(standby_);
@@ -186,6 +194,7 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
       }
     }
 
+    noteSpareExits();
     for (const auto& exit : group.reap()) {
       if (exit.status != 0) ++failedWorkers;
       if (keep.erase(exit.localRank) > 0) {

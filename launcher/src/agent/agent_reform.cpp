@@ -72,6 +72,7 @@ std::unique_ptr<WorkerGroup> Agent::reformKept(const Assignment& a, const std::v
   const std::set<int> kept = std::exchange(keptRanks_, {});
   std::string why;
   // The failed workers' places go to their spares where --standby started them.
+  noteSpareExits();
   if (!group->reform(specs, kept, attemptDir, why, standby_.get())) {
     log::warn("round {}: the survivors cannot re-form in process ({}): they start again as processes", a.round, why);
     return nullptr;  // stops them, with their group

@@ -118,6 +118,9 @@ class Agent {
   // --standby: the workers of the next restart, waiting in fsdp::init() (after guardian_, so
   // that they are stopped before it goes).
   std::unique_ptr<detail::WorkerGroup> standby_;
+  // Logs, at warning level, each spare that exited while it waited (how, and its last words): a
+  // restart then starts a new process instead, without it, and nothing else would say why.
+  void noteSpareExits();
   // --restart_mode auto: the workers kept alive across the round that just ended, waiting in
   // their re-formation for the next one (agent_reform.cpp), and their local ranks.
   std::unique_ptr<detail::WorkerGroup> kept_;

@@ -511,4 +511,24 @@ bool WorkerGroup::activate(const std::vector<WorkerSpec>& specs, std::string& wh
   return true;
 }
 
+std::vector<std::string> WorkerGroup::exitedSpares() {
+  std::vector<std::string> lines;
+  for (const auto& exit : reap()) {
+    std::string line = "rank " + std::to_string(exit.rank) + " (pid " + std::to_string(exit.pid) +
+                       ") exited while it waited (" + describeWaitStatus(exit.status) + ")";
+    const std::string file = dirOf(exit.localRank) + "/error.json";
+    auto said = readErrorFile(file);
+    std::error_code ec;
+    std::filesystem::remove(file, ec);
+    for (const auto& w : workers_) {
+      if (w.spec.localRank != exit.localRank || (said && !said->empty())) continue;
+      said = w.partial;  // its last line, without the newline it did not write
+      for (auto line = w.tail.rbegin(); line != w.tail.rend() && said->empty(); ++line) said = *line;
+    }
+    if (said && !said->empty()) line += ": " + *said;
+    lines.push_back(std::move(line));
+  }
+  return lines;
+}
+
 }  // namespace fsdp::launcher::detail

@@ -127,6 +127,11 @@ class WorkerGroup {
   // with `why` and nothing sent, when a worker has exited or an identity differs: the caller
   // starts fresh workers instead (destroying this group stops the standbys).
   bool activate(const std::vector<WorkerSpec>& specs, std::string& why);
+  // A standby group: the spares that exited while they waited, since the last call, each once, as
+  // "rank R (pid P) exited while it waited (<status>): <its error file's message, else its last
+  // stderr line>". What they wrote goes where a worker's output goes; their error files are
+  // removed, so that a process started in their place later does not inherit them.
+  std::vector<std::string> exitedSpares();
 
  private:
   struct Stream {

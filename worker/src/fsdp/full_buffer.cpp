@@ -9,7 +9,6 @@
 #include <sys/mman.h>
 
 #include <cerrno>
-#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -203,6 +202,11 @@ std::size_t warmSpareBlocks() {
   while (meminfo >> key >> kb && key != "MemAvailable:") meminfo.ignore(256, '\n');
   if (key != "MemAvailable:" || (kb << 10) / 4 < bytes) return 0;
   return blockCache().reserve(bytes);
+}
+
+void checkBlockEnvironment() {
+  blockCache();
+  envBytesFromMb("FSDP_SPARE_WARM_MB", 0);
 }
 
 bool managedByFsdp(const at::Tensor& tensor) {

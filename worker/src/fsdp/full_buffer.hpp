@@ -21,6 +21,11 @@ bool managedByFsdp(const at::Tensor& tensor);
 // available. Returns the bytes faulted in.
 std::size_t warmSpareBlocks();
 
+// fsdp::init(), in every worker: FSDP_BLOCK_CACHE_MB and FSDP_SPARE_WARM_MB are read now, so that
+// a bad value stops the job at its start (ConfigError naming the variable) instead of killing
+// only the spares, which alone use FSDP_SPARE_WARM_MB, or a worker at its first block.
+void checkBlockEnvironment();
+
 // A 1-D tensor of `numel` elements over a fresh block (uninitialised).
 at::Tensor emptyBlock(std::int64_t numel, const at::TensorOptions& options);
 

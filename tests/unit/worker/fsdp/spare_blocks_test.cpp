@@ -5,6 +5,7 @@
 #include "fsdp/full_buffer.hpp"
 
 #include "fsdp/common/error.hpp"
+#include "fsdp/worker/runtime.hpp"
 
 #include <ATen/Functions.h>
 #include <gtest/gtest.h>
@@ -106,6 +107,19 @@ TEST(SpareBlocks, ABadCacheBudgetIsRefusedWithTheVariablesName) {
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("FSDP_BLOCK_CACHE_MB='-1': expected megabytes, from 0 to"), std::string::npos)
         << e.what();
+  }
+}
+
+// Only a spare faults blocks in, but every worker reads FSDP_SPARE_WARM_MB in fsdp::init(): a bad
+// value stops the job at its start, where it once killed the waiting spares alone, unseen.
+TEST(SpareBlocks, EveryWorkerRefusesABadWarmSizeInInitNotOnlyTheSpares) {
+  ::setenv("FSDP_SPARE_WARM_MB", "-3", 1);
+  ::unsetenv("FSDPRUN_STANDBY_FD");
+  try {
+    fsdp::init();
+    FAIL() << "fsdp::init() took FSDP_SPARE_WARM_MB=-3";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("FSDP_SPARE_WARM_MB='-3': expected megabytes"), std::string::npos) << e.what();
   }
 }
 
