@@ -20,8 +20,30 @@ std::unique_ptr<StoreClient> StoreClient::connect(const std::string& host, std::
 
 StoreClient::StoreClient(std::unique_ptr<detail::Connection> connection, ClientOptions options)
     : connection_(std::move(connection)),
+      fd_(connection_->fd()),
       endpoint_(connection_->endpoint()),
       options_(std::move(options)) {}
+
+void StoreClient::reconnect(const std::string& host, std::uint16_t port, ClientOptions options) {
+  auto connection = std::make_unique<detail::Connection>(detail::Connection::open(host, port, options));
+  std::scoped_lock lock(mutex_);
+  connection_->resetOnClose();
+  std::swap(connection_, connection);
+  fd_ = connection_->fd();
+  options_ = std::move(options);
+  std::scoped_lock name(endpointMutex_);
+  endpoint_ = connection_->endpoint();
+}
+
+std::string StoreClient::endpoint() const {
+  std::scoped_lock lock(endpointMutex_);
+  return endpoint_;
+}
+
+void StoreClient::setWaitCheck(std::function<void()> check, std::chrono::milliseconds slice) {
+  waitCheck_ = std::move(check);
+  waitSlice_ = std::max(slice, std::chrono::milliseconds(1));
+}
 
 StoreClient::~StoreClient() {
   // Every request of ours has a reply, and the caller had it (or gave up on it): nothing the
@@ -38,7 +60,21 @@ Response StoreClient::call(Request request, std::chrono::milliseconds waitTimeou
   return connection_->call(request, deadline);
 }
 
-void StoreClient::interrupt() { ::shutdown(connection_->fd(), SHUT_RDWR); }
+Response StoreClient::waitCall(Request request, std::chrono::milliseconds timeout) {
+  if (!waitCheck_) return call(std::move(request), timeout);
+  const Deadline deadline = Deadline::after(timeout);
+  for (;;) {
+    waitCheck_();
+    const auto left = std::max(deadline.remaining(), std::chrono::milliseconds(0));
+    const auto slice = std::min(left, waitSlice_);
+    Response resp = call(request, slice);
+    if (resp.status != Status::kTimeout || slice == left) return resp;
+    // The server added before it waited: the next slices only wait.
+    if (request.op == Op::kAddWait) request.number = 0;
+  }
+}
+
+void StoreClient::interrupt() { ::shutdown(fd_.load(), SHUT_RDWR); }
 
 void StoreClient::set(const std::string& key, const std::string& value) {
   call({.op = Op::kSet, .keys = {key}, .value = value}, std::chrono::milliseconds(0));
@@ -47,10 +83,10 @@ void StoreClient::set(const std::string& key, const std::string& value) {
 std::string StoreClient::get(const std::string& key) { return get(key, options_.timeout); }
 
 std::string StoreClient::get(const std::string& key, std::chrono::milliseconds timeout) {
-  Response resp = call({.op = Op::kGet, .keys = {key}}, timeout);
+  Response resp = waitCall({.op = Op::kGet, .keys = {key}}, timeout);
   if (resp.status == Status::kTimeout) {
     throw TimeoutError("store.get: key [" + key + "] still missing after " +
-                       std::to_string(timeout.count()) + " ms (server " + endpoint_ + ")");
+                       std::to_string(timeout.count()) + " ms (server " + endpoint() + ")");
   }
   return std::move(resp.value);
 }
@@ -63,12 +99,12 @@ std::int64_t StoreClient::add(const std::string& key, std::int64_t delta) {
 std::int64_t StoreClient::addAndWait(const std::string& key, std::int64_t delta,
                                      std::int64_t target, std::chrono::milliseconds timeout) {
   const Response resp =
-      call({.op = Op::kAddWait, .keys = {key}, .value = std::to_string(target), .number = delta},
-           timeout);
+      waitCall({.op = Op::kAddWait, .keys = {key}, .value = std::to_string(target), .number = delta},
+               timeout);
   if (resp.status == Status::kTimeout) {
     throw TimeoutError("store.addAndWait: counter [" + key + "] at " + std::to_string(resp.number) +
                        " of " + std::to_string(target) + " after " +
-                       std::to_string(timeout.count()) + " ms (server " + endpoint_ + ")");
+                       std::to_string(timeout.count()) + " ms (server " + endpoint() + ")");
   }
   return resp.number;
 }
@@ -80,10 +116,10 @@ bool StoreClient::check(const std::vector<std::string>& keys) {
 void StoreClient::wait(const std::vector<std::string>& keys) { wait(keys, options_.timeout); }
 
 void StoreClient::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
-  const Response resp = call({.op = Op::kWait, .keys = keys}, timeout);
+  const Response resp = waitCall({.op = Op::kWait, .keys = keys}, timeout);
   if (resp.status == Status::kTimeout) {
     throw TimeoutError("store.wait: keys [" + resp.value + "] still missing after " +
-                       std::to_string(timeout.count()) + " ms (server " + endpoint_ + ")");
+                       std::to_string(timeout.count()) + " ms (server " + endpoint() + ")");
   }
 }
 
@@ -126,12 +162,12 @@ std::uint64_t StoreClient::revision() {
 std::optional<KeyChange> StoreClient::waitForChange(const std::vector<std::string>& keys,
                                                     std::uint64_t since,
                                                     std::chrono::milliseconds timeout) {
-  if (keys.empty()) throw Error("store.waitForChange: no keys to watch (server " + endpoint_ + ")");
+  if (keys.empty()) throw Error("store.waitForChange: no keys to watch (server " + endpoint() + ")");
   Response resp =
-      call({.op = Op::kWatch, .keys = keys, .number = static_cast<std::int64_t>(since)}, timeout);
+      waitCall({.op = Op::kWatch, .keys = keys, .number = static_cast<std::int64_t>(since)}, timeout);
   if (resp.status == Status::kTimeout) return std::nullopt;
   if (resp.values.size() > 1) {
-    throw ProtocolError("store server " + endpoint_ + " answered WATCH with " +
+    throw ProtocolError("store server " + endpoint() + " answered WATCH with " +
                         std::to_string(resp.values.size()) + " values");
   }
   KeyChange change{std::move(resp.value), std::nullopt, static_cast<std::uint64_t>(resp.number)};

@@ -2,6 +2,7 @@
 
 #include "comm/recorded_communicator.hpp"
 #include "fsdp/full_buffer.hpp"
+#include "reform/control.hpp"
 #include "reform/reformable_communicator.hpp"
 #include "runtime_internal.hpp"
 #include "stats/straggler.hpp"
@@ -169,6 +170,9 @@ Runtime::~Runtime() {
 
 namespace {
 
+// How often a wait on the runtime's store looks for the agent's abort notice.
+constexpr std::chrono::milliseconds kStoreAbortPoll{200};
+
 // fsdprun --standby: this process is a spare, started before it was needed. It waits here (the
 // program loaded, its pre-init work done) for the round it joins: one JSON line on the pipe
 // FSDPRUN_STANDBY_FD names, {"env": {KEY: VALUE}} with what differs from the environment it was
@@ -231,6 +235,12 @@ std::unique_ptr<Runtime> init(const InitOptions& options) {
       env.storeHost, static_cast<std::uint16_t>(env.storePort),
       {.connectTimeout = options.timeout, .timeout = options.timeout, .runId = env.runId,
        .token = token});
+  // Under --restart_mode auto a wait on this store ends within kStoreAbortPoll of the agent's
+  // abort notice (CommAborted), until the re-formation begins: a loop's own wait, or rank 0's for a
+  // checkpoint's files, would otherwise hold every survivor for the wait's whole timeout.
+  if (auto& control = detail::ReformControl::process(); control.active()) {
+    store->setWaitCheck([&control] { control.throwIfAborted("a wait on the store"); }, kStoreAbortPoll);
+  }
   auto built = detail::buildCommunicators(env, *store, options);
   log::info("connected: store {}, world {}, backend {} ({})", store->endpoint(), env.worldSize,
             built.comm->backendName(), built.reason);

@@ -1,6 +1,6 @@
 // A hand-written training loop that survives failures in process as reform.hpp's example does
 // (run under fsdprun by reform_test.cpp):
-//   reform_loop_worker OUT_DIR STEPS KILL_STEP [--second_model] [--misuse]
+//   reform_loop_worker OUT_DIR STEPS KILL_STEP [--second_model] [--misuse] [--store_wait]
 // The model has a frozen first layer (a unit of its own), a BatchNorm (buffers) and trains with
 // Adam through a Snapshotter; its initial weights are seeded by the restart count, so a new
 // process's own weights differ from the job's until its restore. Rank 1 SIGKILLs itself after
@@ -8,6 +8,9 @@
 // FSDP model over the runtime's communicator, which no re-formation can carry. --misuse: after
 // step 3 of the first attempt every rank calls reformDone() and reform() with no failure
 // anywhere, as a loop that calls them on its own errors would, and says on stderr what came back.
+// --store_wait: after step KILL_STEP of the first attempt the other ranks wait on the runtime's
+// store for a key no rank writes (60 s), through a reference taken before the loop, and say on
+// stderr how that wait ended.
 // Each rank writes OUT_DIR/start_<rank>_<restart> (its pid) when it starts and, at the end,
 // OUT_DIR/final_<rank>: a hash of its shards, optimizer state and buffers, and its pid.
 #include <ATen/Functions.h>
@@ -19,28 +22,32 @@
 #include <torch/optim/adam.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "fsdp/worker/reform.hpp"
 #include "fsdp/worker/runtime.hpp"
+#include "fsdp/rendezvous/store_client.hpp"
 #include "fsdp/worker/snapshot.hpp"
 #include "state_hash.hpp"
 
 int main(int argc, char** argv) {
   if (argc < 4) {
-    std::fprintf(stderr, "usage: reform_loop_worker OUT_DIR STEPS KILL_STEP [--second_model] [--misuse]\n");
+    std::fprintf(stderr, "usage: reform_loop_worker OUT_DIR STEPS KILL_STEP [--second_model] [--misuse] [--store_wait]\n");
     return 2;
   }
   const std::string out = argv[1];
   const int steps = std::stoi(argv[2]);
   const int killStep = std::stoi(argv[3]);
-  bool secondModel = false, misuse = false;
+  bool secondModel = false, misuse = false, storeWait = false;
   for (int i = 4; i < argc; ++i) {
     secondModel = secondModel || std::string(argv[i]) == "--second_model";
     misuse = misuse || std::string(argv[i]) == "--misuse";
+    storeWait = storeWait || std::string(argv[i]) == "--store_wait";
   }
   auto rt = fsdp::init();
   const int rank = rt->rank();
@@ -69,6 +76,8 @@ int main(int argc, char** argv) {
   if (const auto resumed = snapshots->restore(model, &optimizer)) step = resumed->step;
 
   fsdp::ReformScope scope(*rt, model);
+  auto& store = rt->store();
+  bool waitedOnStore = false;
   for (;;) {
     try {
       while (step < steps) {
@@ -82,6 +91,17 @@ int main(int argc, char** argv) {
         ++step;
         snapshots->save(model, &optimizer, {.step = step});
         if (step == killStep && rank == 1 && restart == 0) ::kill(::getpid(), SIGKILL);
+        if (storeWait && step == killStep && rank != 1 && restart == 0 && !std::exchange(waitedOnStore, true)) {
+          try {
+            store.get("reform_loop/never", std::chrono::seconds(60));
+          } catch (const fsdp::CommAborted& e) {
+            std::fprintf(stderr, "rank %d: the store wait ended: CommAborted: %s\n", rank, e.what());
+            throw;
+          } catch (const std::exception& e) {
+            std::fprintf(stderr, "rank %d: the store wait ended otherwise: %s\n", rank, e.what());
+            throw;
+          }
+        }
         if (misuse && step == 3 && restart == 0) {
           fsdp::reformDone(*rt);
           try {

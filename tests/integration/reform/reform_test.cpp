@@ -473,6 +473,30 @@ TEST(ReformLoop, ASecondFsdpModelRestartsEveryProcessAndSaysWhy) {
   }
 }
 
+// A hand-written loop blocked in a wait of its own on the runtime's store (a key no rank writes,
+// 60 s) when rank 1 dies: the wait ends with CommAborted on the agent's notice instead of holding
+// the re-formation for its timeout, and the survivors re-form in process and end as the
+// uninterrupted run, in their own processes.
+TEST(ReformLoop, AWaitOnTheStoreEndsWithCommAbortedAndTheSurvivorsReformInProcess) {
+  const auto reference = runLoop("auto", 0);
+  ASSERT_EQ(reference.exitCode, 0) << reference.err;
+  const auto run = runLoop("auto", 25, {"--store_wait"});
+  ASSERT_EQ(run.exitCode, 0) << run.err;
+  for (const int rank : {0, 2}) {
+    SCOPED_TRACE("rank " + std::to_string(rank));
+    EXPECT_NE(run.err.find("rank " + std::to_string(rank) +
+                           ": the store wait ended: CommAborted: a wait on the store: the round ended"),
+              std::string::npos)
+        << run.err;
+    EXPECT_EQ(run.finals.at(rank).second, run.firstPids.at(rank)) << "kept its process";
+  }
+  for (int rank = 0; rank < 3; ++rank) {
+    EXPECT_EQ(run.finals.at(rank).first, reference.finals.at(rank).first) << "rank " << rank << "\n" << run.err;
+  }
+  EXPECT_NE(run.err.find("rank(s) 0, 2 re-form in process; 1 worker(s) start as new processes"), std::string::npos)
+      << run.err;
+}
+
 // reformDone() and reform() called with no failure anywhere (a loop that calls them on its own
 // errors): reformDone() tells the agent nothing, reform() throws ReformError at once (it waited
 // for a round that never came, 10 minutes and more) and changes nothing: the job goes on, a

@@ -4,6 +4,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <future>
 #include <thread>
 
@@ -241,6 +242,89 @@ TEST(StoreAddAndWait, TimeoutSaysHowFarTheCounterGot) {
   }
   // The timed-out waiter is gone: a later arrival does not touch a dead session.
   EXPECT_EQ(c->addAndWait("init", 2, 5, std::chrono::seconds(1)), 5);
+}
+
+}  // namespace
+}  // namespace fsdp::rendezvous
+
+namespace fsdp::rendezvous {
+namespace {
+
+using namespace std::chrono_literals;
+
+// A wait check (the runtime's, under --restart_mode auto): waits go to the server in slices with
+// the check before each, and are the same waits: a key set later is still returned, and
+// addAndWait adds once however many slices it took.
+TEST(StoreWaitCheck, SlicedWaitsReturnWhatOneWaitReturnsAndAddOnce) {
+  StoreServer server(ServerOptions{});
+  auto waiter = StoreClient::connect("127.0.0.1", server.port());
+  auto other = StoreClient::connect("127.0.0.1", server.port());
+  std::atomic<int> checks{0};
+  std::promise<void> sliced;
+  waiter->setWaitCheck(
+      [&] {
+        if (++checks == 3) sliced.set_value();
+      },
+      10ms);
+  auto value = std::async(std::launch::async, [&] { return waiter->get("late", 30s); });
+  sliced.get_future().wait();  // three slices asked: the key is not there yet
+  other->set("late", "here");
+  ASSERT_EQ(value.wait_for(10s), std::future_status::ready);
+  EXPECT_EQ(value.get(), "here");
+
+  const int before = checks.load();
+  auto counted = std::async(std::launch::async, [&] { return waiter->addAndWait("arrivals", 1, 2, 30s); });
+  while (checks.load() < before + 3) std::this_thread::yield();  // several slices of the wait
+  EXPECT_EQ(other->addAndWait("arrivals", 1, 2, 30s), 2);
+  ASSERT_EQ(counted.wait_for(10s), std::future_status::ready);
+  EXPECT_EQ(counted.get(), 2);
+  EXPECT_EQ(other->add("arrivals", 0), 2) << "a slice after the first added again";
+}
+
+// What the check throws ends a wait long before its timeout, with the check's own error.
+TEST(StoreWaitCheck, WhatTheCheckThrowsEndsTheWait) {
+  StoreServer server(ServerOptions{});
+  auto c = StoreClient::connect("127.0.0.1", server.port());
+  std::atomic<bool> aborted{false};
+  std::atomic<int> checks{0};
+  c->setWaitCheck(
+      [&] {
+        ++checks;
+        if (aborted) throw CommAborted("the world re-forms");
+      },
+      20ms);
+  auto wait = std::async(std::launch::async, [&] { c->wait({"never"}, 60s); });
+  while (checks.load() < 2) std::this_thread::yield();  // waiting
+  aborted = true;
+  ASSERT_EQ(wait.wait_for(10s), std::future_status::ready);
+  EXPECT_THROW(wait.get(), CommAborted);
+  // Set again (the re-formation began): waits work as before on the same connection.
+  aborted = false;
+  c->set("k", "v");
+  EXPECT_EQ(c->get("k", 1s), "v");
+}
+
+// reconnect(): the same object (a program's reference to it stays good) now talks to another
+// server; a reconnection that fails keeps the old connection.
+TEST(StoreReconnect, TheSameObjectGoesOnAtTheNewServerAndAFailedOneKeepsTheOld) {
+  StoreServer first(ServerOptions{});
+  StoreServer second(ServerOptions{});
+  auto client = StoreClient::connect("127.0.0.1", first.port());
+  StoreClient& held = *client;
+  held.set("where", "first");
+  held.reconnect("127.0.0.1", second.port(), {.connectTimeout = 5s, .timeout = 5s});
+  EXPECT_EQ(held.endpoint(), "127.0.0.1:" + std::to_string(second.port()));
+  held.set("where", "second");
+  EXPECT_EQ(StoreClient::connect("127.0.0.1", second.port())->get("where", 1s), "second");
+  EXPECT_EQ(StoreClient::connect("127.0.0.1", first.port())->get("where", 1s), "first");
+  std::uint16_t closed = 0;
+  {
+    StoreServer gone(ServerOptions{});
+    closed = gone.port();
+  }
+  EXPECT_THROW(held.reconnect("127.0.0.1", closed, {.connectTimeout = 200ms, .timeout = 1s}), Error);
+  EXPECT_EQ(held.get("where", 1s), "second");
+  EXPECT_EQ(held.endpoint(), "127.0.0.1:" + std::to_string(second.port()));
 }
 
 }  // namespace

@@ -15,7 +15,6 @@
 #include "comm/recorded_communicator.hpp"
 #include "fsdp/common/log.hpp"
 #include "fsdp/worker/runtime.hpp"
-#include "reform/control.hpp"
 
 namespace fsdp::worker {
 
@@ -65,41 +64,17 @@ void testWriteDelay(int rank) {
   std::this_thread::sleep_for(std::chrono::milliseconds(ms));
 }
 
-// How often rank 0's wait for the ranks' files looks for the agent's abort notice.
-constexpr std::chrono::milliseconds kAbortPoll{200};
-
 // Rank 0's wait until every rank has written its file: adds its own count to `key`, then waits
-// for `world`. Under fsdprun --restart_mode auto the agent's abort notice (the world re-forms
-// in process) ends it with CommAborted: a rank lost before it wrote would otherwise hold this
-// one, and with it the re-formation, for the whole save timeout. The store's wait is server
-// side, so it is taken in slices between which the notice is looked for.
+// for `world`. On the runtime's store, whose waits end with CommAborted on the agent's abort
+// notice (--restart_mode auto): a rank lost before it wrote would otherwise hold this one, and
+// with it the re-formation, for the whole save timeout.
 void awaitRankFiles(rendezvous::StoreClient& store, const std::string& key, int world,
                     std::chrono::milliseconds timeout) {
-  auto& control = ReformControl::process();
-  if (!control.active()) {
+  try {
     store.addAndWait(key, 1, world, timeout);
-    return;
-  }
-  using Clock = std::chrono::steady_clock;
-  const auto deadline = Clock::now() + timeout;
-  std::int64_t delta = 1;  // the server adds before it waits: once, whatever the wait's end
-  for (;;) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    try {
-      store.addAndWait(key, std::exchange(delta, 0), world,
-                       std::clamp(left, std::chrono::milliseconds(0), kAbortPoll));
-      return;
-    } catch (const TimeoutError&) {
-      if (control.awaitAbort(std::chrono::milliseconds(0))) {
-        throw CommAborted("checkpoint save: the round ended while rank 0 waited for the ranks' files (" +
-                          control.abortReason() + ")");
-      }
-      if (Clock::now() >= deadline) {
-        throw TimeoutError("checkpoint save: not every rank's file was written after " +
-                           std::to_string(timeout.count()) + " ms (store counter [" + key + "] short of " +
-                           std::to_string(world) + ")");
-      }
-    }
+  } catch (const TimeoutError&) {
+    throw TimeoutError("checkpoint save: not every rank's file was written after " + std::to_string(timeout.count()) +
+                       " ms (store counter [" + key + "] short of " + std::to_string(world) + ")");
   }
 }
 

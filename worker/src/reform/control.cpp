@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <nlohmann/json.hpp>
 
+#include "fsdp/common/error.hpp"
 #include "fsdp/common/log.hpp"
 
 namespace fsdp::worker::detail {
@@ -104,6 +105,13 @@ std::optional<std::map<std::string, std::string>> ReformControl::awaitReform(std
     return std::nullopt;
   }
   return reform_;
+}
+
+void ReformControl::throwIfAborted(const char* what) const {
+  std::scoped_lock lock(mutex_);
+  if (aborted_ && !reforming_) {
+    throw CommAborted(std::string(what) + ": the round ended, the world re-forms in process (" + abortReason_ + ")");
+  }
 }
 
 void ReformControl::reformed(int round) {

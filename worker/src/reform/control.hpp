@@ -50,6 +50,10 @@ class ReformControl {
   bool awaitAbort(std::chrono::milliseconds bound);
   // Why the round ended ("" before a notice).
   std::string abortReason() const;
+  // Throws CommAborted naming `what` when the agent's notice came and this process has not begun
+  // to re-form: a wait of the program's (on the runtime's store: a hand-written loop's, rank 0's
+  // for a checkpoint's files) ends there instead of holding the re-formation for its timeout.
+  void throwIfAborted(const char* what) const;
   // The new round's environment changes, waiting up to `bound`; nullopt when the bound passed or
   // the channel closed (`why` says which).
   std::optional<std::map<std::string, std::string>> awaitReform(std::chrono::milliseconds bound, std::string& why);

@@ -67,11 +67,11 @@ struct RuntimeReform {
     comm->release();
     if (cpu != nullptr) cpu->release();
     if (next.storeHost != rt.env_.storeHost || next.storePort != rt.env_.storePort) {
-      // The rendezvous moved (its host was lost): the store with it.
-      rt.store_ = rendezvous::StoreClient::connect(
-          next.storeHost, static_cast<std::uint16_t>(next.storePort),
-          {.connectTimeout = rt.initOptions_.timeout, .timeout = rt.initOptions_.timeout, .runId = next.runId,
-           .token = rt.token_});
+      // The rendezvous moved (its host was lost): the store with it, in the same object (the
+      // program may hold a reference to rt->store()).
+      rt.store_->reconnect(next.storeHost, static_cast<std::uint16_t>(next.storePort),
+                           {.connectTimeout = rt.initOptions_.timeout, .timeout = rt.initOptions_.timeout,
+                            .runId = next.runId, .token = rt.token_});
     }
     rt.env_ = std::move(next);
     // The flight ring says from when its records are this round's (the hang report reads it).

@@ -5,8 +5,10 @@
 // Thread-safety: calls may come from several threads; they are serialised on the one
 // connection.
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -93,19 +95,37 @@ class StoreClient {
                                          std::chrono::milliseconds timeout);
 
   // "host:port", for messages.
-  const std::string& endpoint() const { return endpoint_; }
+  std::string endpoint() const;
   // Shuts the connection down: a call blocked in another thread fails at once, and every later
-  // call fails. Thread-safe (it takes no lock).
+  // call fails (until reconnect()). Thread-safe (it takes no lock).
   void interrupt();
   std::chrono::milliseconds defaultTimeout() const { return options_.timeout; }
+
+  // This client goes on at another server (the rendezvous moved): a new connection to host:port,
+  // made as connect() makes one, replaces the current one once the calls under way are done.
+  // The object stays, and every reference to it. Throws as connect() does, the old connection
+  // kept.
+  void reconnect(const std::string& host, std::uint16_t port, ClientOptions options);
+
+  // Waits (get, wait, addAndWait, waitForChange) go to the server in slices of at most `slice`,
+  // and `check` runs before each: what it throws ends the wait (the runtime's: the world is
+  // re-forming, fsdp::CommAborted). Set once, before the client is shared between threads.
+  // Without it, one request a wait.
+  void setWaitCheck(std::function<void()> check, std::chrono::milliseconds slice);
 
  private:
   StoreClient(std::unique_ptr<detail::Connection> connection, ClientOptions options);
   Response call(Request request, std::chrono::milliseconds waitTimeout);
+  // A request that waits on the server up to `timeout`: in slices when a wait check is set.
+  Response waitCall(Request request, std::chrono::milliseconds timeout);
   std::unique_ptr<detail::Connection> connection_;
+  std::atomic<int> fd_{-1};  // connection_'s socket, for interrupt()
   std::string endpoint_;
+  mutable std::mutex endpointMutex_;
   ClientOptions options_;
   std::mutex mutex_;
+  std::function<void()> waitCheck_;
+  std::chrono::milliseconds waitSlice_{0};
 };
 
 }  // namespace fsdp::rendezvous

@@ -38,6 +38,10 @@
 // restored step on every rank: the survivor's loop must take the step, the data position and
 // the RNG from what restore() returned, as a new process does; and its rank and world from the
 // runtime again (rt->rank(), rt->worldSize(): a data sampler built on them is built again).
+// A wait of the loop's own on rt->store() (get, wait, addAndWait, waitForChange) throws
+// CommAborted within 0.2 s of the agent's notice, as a blocked collective does, until reform()
+// begins; rt->store() is the same object before and after (a reference to it stays good, also
+// when the rendezvous moved to another node).
 //
 // What still restarts processes (the agent says why in one line): the failed process itself; a
 // worker outside a ReformScope (a PyTorch script, a program that does not use this) or already
