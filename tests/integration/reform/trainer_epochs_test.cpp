@@ -36,7 +36,8 @@ struct EpochsRun {
   std::map<int, std::string> finals;   // rank -> state hash
 };
 
-// mode: "" (no failure), "--kill", "--snapshots" or "--kill-in-save" (trainer_epochs_worker.cpp).
+// mode: "" (no failure), "--kill", "--snapshots", "--kill-in-save" or "--kill-in-async-save"
+// (trainer_epochs_worker.cpp).
 EpochsRun runEpochs(int examples, const std::string& mode) {
   TempDir dir;
   std::vector<std::string> argv = {kBin + "/fsdprun", "--nproc_per_node", "3", "--max_restarts", "2",
@@ -94,22 +95,38 @@ TEST(ReformTrainer, TheSameWhenTheEpochEndsWithALeftOutBatch) { expectOneEvaluat
 // it in the same save (the others' files are waited for in the store, not in a collective). The
 // agent's abort notice ends that wait: rank 0 re-forms with rank 2 in process, at once, not
 // after the hang watchdog's bound as a new process; the job ends as the run never stopped does.
-TEST(ReformTrainer, ARankLostWhileRankZeroWaitsForItsCheckpointFileReformsInProcess) {
+void expectTheSaveWaitToEndOnTheNotice(const std::string& mode, const std::string& rankZeroSays = "") {
+  SCOPED_TRACE(mode);
   const auto reference = runEpochs(60, "--snapshots");
   ASSERT_EQ(reference.exitCode, 0) << reference.err;
   ASSERT_EQ(reference.evals.size(), 3u) << reference.err;
-  const auto run = runEpochs(60, "--kill-in-save");
+  const auto run = runEpochs(60, mode);
   ASSERT_EQ(run.exitCode, 0) << run.err;
   EXPECT_NE(run.err.find("rank(s) 0, 2 re-form in process"), std::string::npos) << run.err;
   ASSERT_EQ(run.resumes.size(), 1u) << run.err;
   EXPECT_EQ(run.resumes[0].value("path", ""), "in_process") << run.resumes[0].dump() << "\n" << run.err;
   EXPECT_EQ(run.err.find("has not re-formed"), std::string::npos) << run.err;
+  if (!rankZeroSays.empty()) {
+    EXPECT_NE(run.err.find(rankZeroSays), std::string::npos) << run.err;
+  }
   ASSERT_EQ(run.evals.size(), 3u) << run.err;
   for (std::size_t i = 0; i < 3; ++i) {
     EXPECT_EQ(run.evals[i].value("loss", 0.0), reference.evals[i].value("loss", -1.0)) << "eval line " << i;
   }
   ASSERT_EQ(run.finals.size(), 3u) << run.err;
   EXPECT_EQ(run.finals, reference.finals) << run.err;
+}
+
+TEST(ReformTrainer, ARankLostWhileRankZeroWaitsForItsCheckpointFileReformsInProcess) {
+  expectTheSaveWaitToEndOnTheNotice("--kill-in-save");
+}
+
+// The same with asynchronous checkpoints: rank 0 waits for rank 1's file on its writer thread,
+// while its training thread goes on to the next step's collective.
+TEST(ReformTrainer, TheSameWhenTheCheckpointIsSavedAsynchronously) {
+  expectTheSaveWaitToEndOnTheNotice("--kill-in-async-save",
+                                    "rank 0: the checkpoint being written when the world re-formed failed: a wait on "
+                                    "the store: the round ended");
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 // A fsdp::Trainer program whose rank 1 dies after an epoch's evaluation and before the next
 // epoch's first step is saved, or while rank 0 waits for its file in a checkpoint save (run
 // under fsdprun by trainer_epochs_test.cpp):
-//   trainer_epochs_worker OUT_DIR EXAMPLES [--kill | --snapshots | --kill-in-save]
+//   trainer_epochs_worker OUT_DIR EXAMPLES [--kill | --snapshots | --kill-in-save | --kill-in-async-save]
 // EXAMPLES examples (60: 5 whole global batches of 12 an epoch; 61: the same and a last batch of
 // one example, too small for 3 ranks, which every rank leaves out, so that the checkpoint at the
 // epoch's end says the epoch goes on), 3 epochs, an evaluation after each, a checkpoint
@@ -11,6 +11,7 @@
 // --snapshots: the same with an in-memory snapshot every step. --kill-in-save: that, and in the
 // first round rank 1 is held in its first checkpoint write (the write-delay test hook) until
 // rank 0 has written its own file, which it then waits for the other ranks' beside, and dies.
+// --kill-in-async-save: the same with asynchronous checkpoints (rank 0 waits on its writer thread).
 // Rank 0 writes the metrics to OUT_DIR/metrics.jsonl; every rank writes OUT_DIR/final_<rank>: the
 // hash of its shards, Adam state and buffers (state_hash.hpp) and its pid.
 #include <signal.h>
@@ -42,7 +43,8 @@ int main(int argc, char** argv) {
   const int examples = std::stoi(argv[2]);
   const std::string mode = argc > 3 ? argv[3] : "";
   const bool kill = mode == "--kill";
-  const bool killInSave = mode == "--kill-in-save";
+  const bool asyncSave = mode == "--kill-in-async-save";
+  const bool killInSave = mode == "--kill-in-save" || asyncSave;
   const bool snapshots = killInSave || mode == "--snapshots";
   auto rt = fsdp::init();
   if (killInSave && rt->rank() == 1 && rt->env().round == 0) {
@@ -72,7 +74,8 @@ int main(int argc, char** argv) {
   fsdp::Trainer trainer(*rt, model, optimizer, loss,
                         {.epochs = 3, .globalBatch = 12, .accuracy = true, .logEvery = 1,
                          .metricsFile = out + "/metrics.jsonl", .progress = fsdp::ProgressStyle::kNone,
-                         .checkpointDir = out + "/ckpt", .checkpointEvery = 5, .snapshotEvery = snapshots ? 1 : 0});
+                         .checkpointDir = out + "/ckpt", .checkpointEvery = 5, .asyncCheckpoint = asyncSave,
+                         .snapshotEvery = snapshots ? 1 : 0});
   trainer.fit(train, &test);
   std::ofstream(out + "/final_" + std::to_string(rt->rank()))
       << fsdp::testing::adamStateHash(model, optimizer) << " " << ::getpid() << "\n";
