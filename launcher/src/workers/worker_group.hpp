@@ -69,7 +69,8 @@ class WorkerGroup {
   //
   // `standby`: the workers are spares for a later round. Each gets FSDPRUN_STANDBY_FD, a pipe on
   // which fsdp::init() waits (the program has loaded, read its data, whatever it does before
-  // init()); activate() hands them their round. Their output stays in its pipes until then.
+  // init()); activate() hands them their round. Their output stays in its pipes until then, or
+  // until one exits while it waits (exitedSpares()).
   //
   // `control`: each worker gets FSDPRUN_CONTROL_FD, its control channel (--restart_mode auto;
   // worker/src/reform/control.hpp): a libfsdp program that is training says so on it, and may
