@@ -8,7 +8,7 @@
 // The spare is found as the agent's child whose environment holds FSDPRUN_STANDBY_FD, this
 // rank and the next restart count; the wait ends on it, bounded by 60 s (then exit 3).
 // STANDBY_WORKER_SPARES_FAIL=<dir>: every spare leaves before fsdp::init() (as a program whose
-// start fails), its pid in <dir>/spare-<rank>-<restart>, one line on stderr, exit code 4; rank 1
+// start fails), its pid in <dir>/spare-<rank>-<restart>.pid, one line on stderr, exit code 4; rank 1
 // of restart 0 then waits for its own spare to have exited instead of for it to be up.
 #include <ATen/Functions.h>
 #include <signal.h>
@@ -22,8 +22,11 @@
 #include <thread>
 
 #include "fsdp/worker/runtime.hpp"
+#include "processes.hpp"
 
 namespace {
+
+using fsdp::testing::parentOf;
 
 std::string environOf(const std::string& pid) {
   std::ifstream in("/proc/" + pid + "/environ");
@@ -34,17 +37,6 @@ std::string environOf(const std::string& pid) {
   return "\n" + text;
 }
 
-int parentOf(const std::string& pid) {
-  std::ifstream in("/proc/" + pid + "/stat");
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const auto close = text.rfind(')');
-  if (close == std::string::npos) return -1;
-  char state = 0;
-  int ppid = -1;
-  std::sscanf(text.c_str() + close + 1, " %c %d", &state, &ppid);
-  return ppid;
-}
-
 // The agent's child that is the spare of `rank` for restart `restart`, or -1.
 int findStandby(int rank, int restart) {
   const std::string want = "\nRANK=" + std::to_string(rank) + "\n";
@@ -52,7 +44,7 @@ int findStandby(int rank, int restart) {
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator("/proc", ec)) {
     const std::string pid = entry.path().filename();
-    if (pid.find_first_not_of("0123456789") != std::string::npos || parentOf(pid) != ::getppid()) continue;
+    if (pid.find_first_not_of("0123456789") != std::string::npos || parentOf(std::stoi(pid)) != ::getppid()) continue;
     const std::string env = environOf(pid);
     if (env.find("\nFSDPRUN_STANDBY_FD=") != std::string::npos && env.find(want) != std::string::npos &&
         env.find(count) != std::string::npos) {
@@ -62,25 +54,12 @@ int findStandby(int rank, int restart) {
   return -1;
 }
 
-// Whether process `pid` has exited (a zombie its parent has not reaped, or gone).
-bool exited(int pid) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const auto close = text.rfind(')');
-  return close == std::string::npos || text.compare(close, 4, ") Z ") == 0;
-}
-
 // STANDBY_WORKER_SPARES_FAIL: the pid of the spare of `rank` for restart `restart`, once it has
 // exited; -1 after 60 s.
 int failedSpare(const std::string& dir, int rank, int restart) {
-  const std::string file = dir + "/spare-" + std::to_string(rank) + "-" + std::to_string(restart);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while (std::chrono::steady_clock::now() < deadline) {
-    int pid = -1;
-    if (std::ifstream(file) >> pid && exited(pid)) return pid;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  return -1;
+  const auto pids = fsdp::testing::waitForPidFiles(
+      dir, {"spare-" + std::to_string(rank) + "-" + std::to_string(restart)}, std::chrono::seconds(60));
+  return !pids.empty() && fsdp::testing::processGone(pids[0], std::chrono::seconds(60)) ? pids[0] : -1;
 }
 
 }  // namespace
@@ -90,7 +69,7 @@ int main() {
   const char* sparesFail = std::getenv("STANDBY_WORKER_SPARES_FAIL");
   if (startedAsStandby && sparesFail != nullptr) {
     const std::string file = std::string(sparesFail) + "/spare-" + std::getenv("RANK") + "-" +
-                             std::getenv("TORCHELASTIC_RESTART_COUNT");
+                             std::getenv("TORCHELASTIC_RESTART_COUNT") + ".pid";
     std::ofstream(file + ".part") << ::getpid() << "\n";
     std::filesystem::rename(file + ".part", file);
     std::fprintf(stderr, "standby_worker: this spare cannot start (STANDBY_WORKER_SPARES_FAIL)\n");

@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <cstring>
@@ -517,15 +518,15 @@ std::vector<std::string> WorkerGroup::exitedSpares() {
     std::string line = "rank " + std::to_string(exit.rank) + " (pid " + std::to_string(exit.pid) +
                        ") exited while it waited (" + describeWaitStatus(exit.status) + ")";
     const std::string file = dirOf(exit.localRank) + "/error.json";
-    auto said = readErrorFile(file);
+    std::string said = readErrorFile(file).value_or("");
     std::error_code ec;
     std::filesystem::remove(file, ec);
-    for (const auto& w : workers_) {
-      if (w.spec.localRank != exit.localRank || (said && !said->empty())) continue;
-      said = w.partial;  // its last line, without the newline it did not write
-      for (auto line = w.tail.rbegin(); line != w.tail.rend() && said->empty(); ++line) said = *line;
-    }
-    if (said && !said->empty()) line += ": " + *said;
+    // Else its last words on stderr: the line it did not end, else the last one not empty.
+    const Worker& w = *std::find_if(workers_.begin(), workers_.end(),
+                                    [&](const Worker& v) { return v.spec.localRank == exit.localRank; });
+    if (said.empty()) said = w.partial;
+    for (auto last = w.tail.rbegin(); said.empty() && last != w.tail.rend(); ++last) said = *last;
+    if (!said.empty()) line += ": " + said;
     lines.push_back(std::move(line));
   }
   return lines;
