@@ -42,6 +42,7 @@ constexpr std::uint64_t kMagic = 0x66736470'73686d31ULL;  // "fsdpshm1"
 constexpr std::size_t kLine = 64;
 constexpr auto kSlice = std::chrono::milliseconds(100);  // how often a sleeper checks its peers
 constexpr std::size_t kReasonBytes = 512;
+constexpr std::uint32_t kWriting = 0x8000'0000U;
 
 struct alignas(kLine) RankSlot {
   std::atomic<std::int32_t> pid;
@@ -55,8 +56,9 @@ struct alignas(kLine) Header {
   std::uint32_t reserved;
   std::uint64_t slotBytes;
   alignas(kLine) std::atomic<std::uint32_t> count;    // barrier arrivals, the futex word
-  alignas(kLine) std::atomic<std::uint32_t> aborted;  // 0, or 1 + the rank that gave up first
-  char reason[kReasonBytes];                          // why, written by that rank
+  // 0; or 1 + the rank that gave up first, with kWriting set while it writes why into reason.
+  alignas(kLine) std::atomic<std::uint32_t> aborted;
+  char reason[kReasonBytes];
 };
 
 static_assert(std::atomic<std::uint32_t>::is_always_lock_free);
@@ -226,9 +228,18 @@ class ShmCommunicator final : public Communicator {
   }
 
   void refuseIfAborted(const char* op) const {
-    const auto by = header().aborted.load(std::memory_order_acquire);
+    auto by = header().aborted.load(std::memory_order_acquire);
     if (by == 0) return;
-    const std::string reason(header().reason, strnlen(header().reason, kReasonBytes));
+    // The rank that gave up claimed the group before it wrote why: read the reason once it is
+    // written (a CommAborted read as a failure would restart a survivor), unless that rank died
+    // in between.
+    for (const auto until = Clock::now() + std::chrono::seconds(1); (by & kWriting) != 0 && Clock::now() < until;) {
+      std::this_thread::yield();
+      by = header().aborted.load(std::memory_order_acquire);
+    }
+    const std::string reason = (by & kWriting) != 0 ? std::string("(it did not say why)")
+                                                     : std::string(header().reason, strnlen(header().reason, kReasonBytes));
+    by &= ~kWriting;
     const std::string message = std::string("shm ") + op + " on " + who() + ": the group was aborted by rank " +
                                 std::to_string(by - 1) + ": " + reason;
     if (reason.starts_with(kAbortMark)) throw CommAborted(message);
@@ -243,9 +254,10 @@ class ShmCommunicator final : public Communicator {
   // The first rank to fail records why and wakes every sleeper.
   void giveUp(const std::string& why) {
     std::uint32_t expected = 0;
-    if (header().aborted.compare_exchange_strong(expected, static_cast<std::uint32_t>(rank()) + 1)) {
+    const auto mine = static_cast<std::uint32_t>(rank()) + 1;
+    if (header().aborted.compare_exchange_strong(expected, mine | kWriting, std::memory_order_acq_rel)) {
       std::strncpy(header().reason, why.c_str(), kReasonBytes - 1);
-      header().aborted.store(static_cast<std::uint32_t>(rank()) + 1, std::memory_order_release);
+      header().aborted.store(mine, std::memory_order_release);
     }
     futex(&header().count, FUTEX_WAKE, INT_MAX, nullptr);
   }
