@@ -5,6 +5,7 @@
 #   make build   install what is missing, build
 #   make fuzz-fsdp FUZZ_SECONDS=N   generated FSDP cases against one process for N seconds
 #   make chaos CHAOS_SECONDS=N      an elastic job under random kills and freezes for N seconds
+#   make checkpoint-kills CKPT_KILL_TRIALS=N   N SIGKILLs at random points of checkpoint saves
 #   make gpu-bundle     fetch what a bare GPU machine lacks into .deps (scripts/gpu-bundle)
 #   make test-stripped  the CPU test suite built from .deps alone, system copies hidden (root)
 #   make gpu-check-build  scripts/gpu-check --build-only: the GPU check up to the GPU boundary
@@ -22,7 +23,7 @@ JOBS ?= $(shell nproc)
 export CCACHE_SLOPPINESS := pch_defines,time_macros,include_file_mtime,include_file_ctime
 export CCACHE_MAXSIZE ?= 5G
 
-.PHONY: all deps configure build test demo bench fuzz fuzz-fsdp chaos clean format gpu-bundle test-stripped gpu-check-build torch2-check
+.PHONY: all deps configure build test demo bench fuzz fuzz-fsdp chaos checkpoint-kills clean format gpu-bundle test-stripped gpu-check-build torch2-check
 
 all: build
 
@@ -66,6 +67,12 @@ fuzz-fsdp: build
 CHAOS_SECONDS ?= 600
 chaos: build
 	CHAOS_SECONDS=$(CHAOS_SECONDS) $(BUILD_DIR)/bin/system_chaos
+
+# The checkpoint kill test with a long series of kills from a random seed (CI runs 12 from a fixed one).
+CKPT_KILL_TRIALS ?= 200
+checkpoint-kills: build
+	CKPT_KILL_TRIALS=$(CKPT_KILL_TRIALS) CKPT_KILL_SEED=$${CKPT_KILL_SEED:-$$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')} \
+	  $(BUILD_DIR)/bin/integration_checkpoint --gtest_filter=CheckpointSave.SigkillAtRandomPointsOfSavesNeverLeavesAnUnloadableNewestCheckpoint
 
 gpu-bundle:
 	scripts/gpu-bundle

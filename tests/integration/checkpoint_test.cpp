@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <functional>
 #include <fstream>
@@ -155,13 +156,21 @@ TEST_F(Resume, TwoRanksCheckpointThenFourAndOneContinueTheSameLoss) {
   }
 }
 
+// CKPT_KILL_TRIALS (default 12, CI's budget) and CKPT_KILL_SEED (default 20261123) choose the
+// kills; `make checkpoint-kills CKPT_KILL_TRIALS=200` runs a long series from a random seed. A
+// failure prints both.
 TEST(CheckpointSave, SigkillAtRandomPointsOfSavesNeverLeavesAnUnloadableNewestCheckpoint) {
   TempDir dir;
-  std::mt19937 random(20261123);
+  const char* trialsEnv = std::getenv("CKPT_KILL_TRIALS");
+  const char* seedEnv = std::getenv("CKPT_KILL_SEED");
+  const int trials = trialsEnv != nullptr ? std::stoi(trialsEnv) : 12;
+  const auto seed = seedEnv != nullptr ? static_cast<std::uint32_t>(std::stoul(seedEnv)) : 20261123U;
+  SCOPED_TRACE("CKPT_KILL_SEED=" + std::to_string(seed) + " CKPT_KILL_TRIALS=" + std::to_string(trials));
+  std::mt19937 random(seed);
   // A save of the writer's 50 MB takes tens of milliseconds; kills land before, inside and
   // after the writes, fsyncs, the rename and the pruning.
   std::uniform_int_distribution<int> delay(0, 150);
-  for (int trial = 0; trial < 20; ++trial) {
+  for (int trial = 0; trial < trials; ++trial) {
     const std::string out = dir.path() + "/writer" + std::to_string(trial) + ".out";
     fsdp::SpawnOptions options{.argv = {kBin + "/ckpt_writer", dir.path(), "save"}, .env = fsdp::currentEnvironment()};
     options.stdoutPath = out;
