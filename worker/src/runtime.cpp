@@ -177,14 +177,14 @@ constexpr std::chrono::milliseconds kStoreAbortPoll{200};
 // program loaded, its pre-init work done) for the round it joins: one JSON line on the pipe
 // FSDPRUN_STANDBY_FD names, {"env": {KEY: VALUE}} with what differs from the environment it was
 // started with. End of file: it was not needed, and leaves quietly. While it waits, it faults in
-// the memory of its first step's full-parameter blocks. Returns the bytes it did (0 for a worker
-// that is no spare).
+// the memory of its first step's full-parameter blocks on an idle-class thread. Returns the bytes
+// it did by the activation (0 for a worker that is no spare).
 std::size_t awaitActivation() {
   const char* text = std::getenv("FSDPRUN_STANDBY_FD");
   if (text == nullptr) return 0;
   const int fd = std::atoi(text);
   ::unsetenv("FSDPRUN_STANDBY_FD");
-  const std::size_t warmed = detail::warmSpareBlocks();
+  detail::startWarmingSpareBlocks();
   std::string line;
   char c = 0;
   for (;;) {
@@ -194,6 +194,7 @@ std::size_t awaitActivation() {
     line += c;
   }
   ::close(fd);
+  const std::size_t warmed = detail::stopWarmingSpareBlocks();
   const auto message = nlohmann::json::parse(line, nullptr, false);
   if (line.empty() || message.is_discarded() || !message.contains("env") || !message["env"].is_object()) {
     std::_Exit(0);

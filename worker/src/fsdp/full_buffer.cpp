@@ -6,14 +6,19 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/StorageImpl.h>
 
+#include <pthread.h>
+#include <sched.h>
 #include <sys/mman.h>
 
+#include <atomic>
 #include <cerrno>
+#include <condition_variable>
 #include <cstring>
 #include <fstream>
 #include <map>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 
 #include "fsdp/common/env.hpp"
@@ -57,7 +62,7 @@ std::size_t envBytesFromMb(const char* name, std::size_t fallbackMb) {
 // step of 0.85 s with FSDP_BLOCK_CACHE_MB=0 against 0.58 s; on a virtual machine whose host
 // backs memory at its first touch, 1 GB takes 0.7-3 s), and the survivors wait on the first step
 // of a lost rank's replacement. A spare (fsdprun --standby) faults in a reserve while it waits
-// instead (warmSpareBlocks); blocks the cache does not hold are cut from it. Its untouched rest
+// instead (startWarmingSpareBlocks); blocks the cache does not hold are cut from it. Its untouched rest
 // counts against the same budget and gives way to freed blocks.
 class BlockCache {
  public:
@@ -90,9 +95,10 @@ class BlockCache {
     bytes_ += block.length;
     return true;
   }
-  // Maps `bytes` (2 MB aligned, at most the budget, huge pages advised) and faults them in;
-  // the bytes reserved, 0 where it cannot.
-  std::size_t reserve(std::size_t bytes) {
+  // Maps `bytes` (2 MB aligned, at most the budget, huge pages advised) and faults them in a
+  // piece at a time, each piece taken into the reserve as it is in memory, until `stop`; the
+  // rest is unmapped. Returns the bytes faulted in, 0 where it cannot.
+  std::size_t reserve(std::size_t bytes, const std::atomic<bool>& stop, std::atomic<std::size_t>& done) {
     bytes = std::min(roundUp(bytes, kHugePage), budget_ / kHugePage * kHugePage);
     if (bytes == 0) return 0;
     {
@@ -107,22 +113,33 @@ class BlockCache {
     if (base > start) ::munmap(start, static_cast<std::size_t>(base - start));
     if (base + bytes < start + span) ::munmap(base + bytes, static_cast<std::size_t>(start + span - base - bytes));
     ::madvise(base, bytes, MADV_HUGEPAGE);
-    if (::madvise(base, bytes, MADV_POPULATE_WRITE) != 0) {
-      // Before Linux 5.14: a write per page.
-      for (std::size_t at = 0; at < bytes; at += 4096) static_cast<volatile char*>(base)[at] = 0;
+    std::size_t at = 0;
+    while (at < bytes && !stop.load(std::memory_order_relaxed)) {
+      const std::size_t piece = std::min(kWarmPiece, bytes - at);
+      if (::madvise(base + at, piece, MADV_POPULATE_WRITE) != 0) {
+        // Before Linux 5.14: a write per page.
+        for (std::size_t page = 0; page < piece; page += 4096) static_cast<volatile char*>(base + at)[page] = 0;
+      }
+      std::scoped_lock lock(mutex_);
+      // Closed: a freed block took the reserve's place (shrinkReserve), or the budget is full.
+      if (reserveClosed_ || bytes_ + piece > budget_) break;
+      if (reserveNext_ == nullptr) reserveNext_ = base;
+      reserveLeft_ += piece;
+      bytes_ += piece;
+      at += piece;
+      done.store(at, std::memory_order_relaxed);
     }
-    std::scoped_lock lock(mutex_);
-    reserveNext_ = base;
-    reserveLeft_ = bytes;
-    bytes_ += bytes;
-    return bytes;
+    if (at < bytes) ::munmap(base + at, bytes - at);
+    return at;
   }
 
  private:
   static constexpr std::size_t kHugePage = std::size_t{2} << 20;
+  static constexpr std::size_t kWarmPiece = std::size_t{32} << 20;  // a stop waits for one at most
   static constexpr std::size_t roundUp(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
 
   void shrinkReserve(std::size_t excess) {
+    reserveClosed_ = true;  // a warm-up still under way takes no more pieces
     const std::size_t cut = std::min(reserveLeft_, roundUp(excess, kHugePage));
     if (cut == 0) return;
     ::munmap(reserveNext_ + reserveLeft_ - cut, cut);
@@ -135,6 +152,7 @@ class BlockCache {
   std::size_t bytes_ = 0;  // cached blocks and the reserve's rest
   std::size_t budget_ = 0;
   bool reserved_ = false;
+  bool reserveClosed_ = false;
   char* reserveNext_ = nullptr;
   std::size_t reserveLeft_ = 0;
 };
@@ -190,18 +208,68 @@ at::DataPtr allocateBlock(std::size_t nbytes, at::Device device) {
 
 }  // namespace
 
-std::size_t warmSpareBlocks() {
+namespace {
+
+// The spare's warm-up: its thread, which ends on its own, and what it did.
+struct Warming {
+  std::atomic<bool> stop{false};
+  std::atomic<std::size_t> done{0};
+  std::mutex mutex;
+  std::condition_variable ended;
+  bool running = false;
+  bool idleClass = false;
+};
+
+Warming& warming() {
+  static auto* w = new Warming();  // never destroyed: the thread may outlive main
+  return *w;
+}
+
+}  // namespace
+
+void startWarmingSpareBlocks() {
   // Blocks of a LibTorch with CUDA are most likely the device's, never these.
-  if (at::hasCUDA()) return 0;
+  if (at::hasCUDA()) return;
   const std::size_t bytes = envBytesFromMb("FSDP_SPARE_WARM_MB", blockCache().budget() >> 20);
-  if (bytes == 0) return 0;
+  if (bytes == 0) return;
   // Never at the cost of the host's memory: a quarter of what is available at most.
   std::ifstream meminfo("/proc/meminfo");
   std::string key;
   std::size_t kb = 0;
   while (meminfo >> key >> kb && key != "MemAvailable:") meminfo.ignore(256, '\n');
-  if (key != "MemAvailable:" || (kb << 10) / 4 < bytes) return 0;
-  return blockCache().reserve(bytes);
+  if (key != "MemAvailable:" || (kb << 10) / 4 < bytes) return;
+  Warming& w = warming();
+  {
+    std::scoped_lock lock(w.mutex);
+    if (w.running) return;
+    w.running = true;
+  }
+  // The idle scheduling class: it runs only on CPU time the round's workers leave (on 2 cores,
+  // two spares faulting in 1 GB each at normal priority slowed the first five steps after a
+  // resume 2-6x, the very steps a replacement's warm-up is for). The kernel's work of faulting
+  // in is done on this thread, in that class too. Detached: a stop never waits for it.
+  std::thread([bytes, &w] {
+    const sched_param none{};
+    const bool idle = ::pthread_setschedparam(::pthread_self(), SCHED_IDLE, &none) == 0;
+    blockCache().reserve(bytes, w.stop, w.done);
+    std::scoped_lock lock(w.mutex);
+    w.idleClass = idle;
+    w.running = false;
+    w.ended.notify_all();
+  }).detach();
+}
+
+std::size_t stopWarmingSpareBlocks() {
+  Warming& w = warming();
+  w.stop.store(true);
+  return w.done.load();
+}
+
+WarmedBlocks awaitWarmedSpareBlocks() {
+  Warming& w = warming();
+  std::unique_lock lock(w.mutex);
+  w.ended.wait(lock, [&] { return !w.running; });
+  return {.bytes = w.done.load(), .idleClass = w.idleClass};
 }
 
 void checkBlockEnvironment() {

@@ -18,8 +18,18 @@ bool managedByFsdp(const at::Tensor& tensor);
 // the memory its first step's blocks are cut from, so that the step the survivors wait on does
 // not fault them in. FSDP_SPARE_WARM_MB (default: FSDP_BLOCK_CACHE_MB's budget, which it counts
 // against; 0: none). Nothing where LibTorch has CUDA or the host has under 4 times that
-// available. Returns the bytes faulted in.
-std::size_t warmSpareBlocks();
+// available. It runs on a thread of its own in the idle scheduling class, a piece at a time, each
+// piece usable once in memory; a bad value throws ConfigError here.
+void startWarmingSpareBlocks();
+// At the spare's activation: the warm-up takes no further piece (it is not waited for); returns
+// the bytes faulted in so far.
+std::size_t stopWarmingSpareBlocks();
+// The warm-up's end, waited for (tests): the bytes faulted in, and whether it ran in the idle class.
+struct WarmedBlocks {
+  std::size_t bytes = 0;
+  bool idleClass = false;
+};
+WarmedBlocks awaitWarmedSpareBlocks();
 
 // fsdp::init(), in every worker: FSDP_BLOCK_CACHE_MB and FSDP_SPARE_WARM_MB are read now, so that
 // a bad value stops the job at its start (ConfigError naming the variable) instead of killing

@@ -38,7 +38,8 @@ at::Tensor block12MiB() { return emptyBlock(3 * static_cast<std::int64_t>(kMiB),
 
 TEST(SpareBlocks, BlocksCutFromTheWarmedMemoryAreInMemoryBeforeTheirFirstWrite) {
   ::setenv("FSDP_SPARE_WARM_MB", "32", 1);
-  ASSERT_EQ(warmSpareBlocks(), 32 * kMiB);
+  startWarmingSpareBlocks();
+  ASSERT_EQ(awaitWarmedSpareBlocks().bytes, 32 * kMiB);
   // 12 MiB and a header: 14 MiB of it each (whole huge pages), two fit, the third does not.
   const auto first = block12MiB();
   const auto second = block12MiB();
@@ -55,9 +56,28 @@ TEST(SpareBlocks, BlocksCutFromTheWarmedMemoryAreInMemoryBeforeTheirFirstWrite) 
   EXPECT_EQ(third.sum().item<double>(), 9.0 * kMiB);
 }
 
+// The warm-up runs in the idle scheduling class, so that it takes no CPU time from the round's
+// workers (on 2 cores, two spares' warm-ups at normal priority slowed the steps after a resume
+// 2-6x), and a stop (the spare's activation) ends it at a piece's end: what it holds then is
+// whole pieces, in memory, and the blocks are cut from them.
+TEST(SpareBlocks, TheWarmUpRunsInTheIdleClassAndAStopLeavesWholePiecesInMemory) {
+  ::setenv("FSDP_SPARE_WARM_MB", "256", 1);
+  startWarmingSpareBlocks();
+  const std::size_t atStop = stopWarmingSpareBlocks();
+  const auto warmed = awaitWarmedSpareBlocks();
+  EXPECT_TRUE(warmed.idleClass);
+  EXPECT_LE(atStop, warmed.bytes);
+  EXPECT_LE(warmed.bytes, 32 * kMiB) << "the stop came before the first piece was in: one piece at most";
+  EXPECT_EQ(warmed.bytes % (32 * kMiB), 0U);
+  if (warmed.bytes > 0) {
+    EXPECT_EQ(residentFraction(block12MiB()), 1.0);
+  }
+}
+
 TEST(SpareBlocks, NoneWhenTurnedOff) {
   ::setenv("FSDP_SPARE_WARM_MB", "0", 1);
-  EXPECT_EQ(warmSpareBlocks(), 0U);
+  startWarmingSpareBlocks();
+  EXPECT_EQ(awaitWarmedSpareBlocks().bytes, 0U);
   EXPECT_LT(residentFraction(block12MiB()), 0.5);
 }
 
@@ -66,7 +86,8 @@ TEST(SpareBlocks, NoneWhenTurnedOff) {
 TEST(SpareBlocks, TheBlockCachesBudgetBoundsItAndItsRestGivesWayToFreedBlocks) {
   ::setenv("FSDP_BLOCK_CACHE_MB", "16", 1);
   ::setenv("FSDP_SPARE_WARM_MB", "64", 1);
-  ASSERT_EQ(warmSpareBlocks(), 16 * kMiB);
+  startWarmingSpareBlocks();
+  ASSERT_EQ(awaitWarmedSpareBlocks().bytes, 16 * kMiB);
   auto one = emptyBlock(static_cast<std::int64_t>(kMiB), at::kFloat);  // 4 MiB: 6 of it
   EXPECT_EQ(residentFraction(one), 1.0);
   const void* const where = one.data_ptr();
@@ -90,7 +111,7 @@ TEST(SpareBlocks, TheBlockCachesBudgetBoundsItAndItsRestGivesWayToFreedBlocks) {
 TEST(SpareBlocks, ABadWarmSizeIsRefusedWithTheVariablesName) {
   ::setenv("FSDP_SPARE_WARM_MB", "1g", 1);
   try {
-    warmSpareBlocks();
+    startWarmingSpareBlocks();
     FAIL() << "FSDP_SPARE_WARM_MB=1g was taken";
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("FSDP_SPARE_WARM_MB='1g': expected an integer"), std::string::npos) << e.what();
@@ -102,7 +123,7 @@ TEST(SpareBlocks, ABadCacheBudgetIsRefusedWithTheVariablesName) {
   ::setenv("FSDP_SPARE_WARM_MB", "8", 1);
   ::setenv("FSDP_BLOCK_CACHE_MB", "-1", 1);
   try {
-    warmSpareBlocks();
+    startWarmingSpareBlocks();
     FAIL() << "FSDP_BLOCK_CACHE_MB=-1 was taken";
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("FSDP_BLOCK_CACHE_MB='-1': expected megabytes, from 0 to"), std::string::npos)
