@@ -245,9 +245,9 @@ void startWarmingSpareBlocks() {
     w.running = true;
   }
   // The idle scheduling class: it runs only on CPU time the round's workers leave (on 2 cores,
-  // two spares faulting in 1 GB each at normal priority slowed the first five steps after a
-  // resume 2-6x, the very steps a replacement's warm-up is for). The kernel's work of faulting
-  // in is done on this thread, in that class too. Detached: a stop never waits for it.
+  // the two spares started after a resume faulted in 1 GB each at normal priority for ~10 s,
+  // half a core each, beside the steps of the replacement they warm up for). The kernel's work
+  // of faulting in is done on this thread, in that class too. Detached: a stop never waits.
   std::thread([bytes, &w] {
     const sched_param none{};
     const bool idle = ::pthread_setschedparam(::pthread_self(), SCHED_IDLE, &none) == 0;
