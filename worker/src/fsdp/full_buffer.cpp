@@ -19,6 +19,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_set>
 #include <utility>
 
 #include "fsdp/common/env.hpp"
@@ -206,6 +207,62 @@ at::DataPtr allocateBlock(std::size_t nbytes, at::Device device) {
   return at::DataPtr(ptr, ptr, device.is_cuda() ? &freeCudaFull : &freeCpuFull, device);
 }
 
+// FSDP_CPU_BLOCK_ALLOCATOR=1: LibTorch's CPU tensors of kMapThreshold or more come from the
+// block cache too (the optimizer's state and temporaries, autograd's, the snapshots' copies), so
+// that a step maps no fresh memory for them once the cache holds their sizes, and a spare's
+// warmed memory serves them. Smaller ones go to the allocator it replaced. LibTorch also
+// allocates raw (oneDNN's buffers) and frees such memory through raw_deleter(), one function for
+// every size: the blocks it hands out are kept in a set, which that function looks up.
+class BlockAllocator final : public c10::Allocator {
+ public:
+  explicit BlockAllocator(c10::Allocator* original) : original_(original) {}
+
+  at::DataPtr allocate(std::size_t nbytes) const override {
+    if (nbytes < kMapThreshold) return original_->allocate(nbytes);
+    at::DataPtr block = mapBlock(nbytes, at::Device(at::kCPU));
+    // The data is its own context (raw_allocate's rule); the header sits just before it.
+    void* const data = static_cast<char*>(block.release_context()) + kMapHeader;
+    {
+      std::scoped_lock lock(mutex_);
+      live_.insert(data);
+    }
+    return at::DataPtr(data, data, &freeBlock, at::Device(at::kCPU));
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &freeRaw; }
+
+  static BlockAllocator*& instance() {
+    static BlockAllocator* self = nullptr;
+    return self;
+  }
+
+ private:
+  static void freeBlock(void* data) {
+    {
+      auto* self = instance();
+      std::scoped_lock lock(self->mutex_);
+      self->live_.erase(data);
+    }
+    freeMapped(static_cast<char*>(data) - kMapHeader);
+  }
+  static void freeRaw(void* data) {
+    auto* self = instance();
+    bool ours = false;
+    {
+      std::scoped_lock lock(self->mutex_);
+      ours = self->live_.contains(data);
+    }
+    if (ours) {
+      freeBlock(data);
+    } else {
+      self->original_->raw_deleter()(data);
+    }
+  }
+
+  c10::Allocator* original_;
+  mutable std::mutex mutex_;
+  mutable std::unordered_set<void*> live_;
+};
+
 }  // namespace
 
 namespace {
@@ -275,6 +332,24 @@ WarmedBlocks awaitWarmedSpareBlocks() {
 void checkBlockEnvironment() {
   blockCache();
   envBytesFromMb("FSDP_SPARE_WARM_MB", 0);
+  const long long cpu = envInt(processEnv(), "FSDP_CPU_BLOCK_ALLOCATOR", 0);
+  if (cpu != 0 && cpu != 1) {
+    throw ConfigError("environment variable FSDP_CPU_BLOCK_ALLOCATOR='" + std::to_string(cpu) + "': expected 0 or 1");
+  }
+  if (cpu == 1) installCpuBlockAllocator();
+}
+
+bool installCpuBlockAllocator() {
+  static std::once_flag once;
+  static bool installed = false;
+  std::call_once(once, [] {
+    // Never destroyed: tensors it made may be freed during exit.
+    static auto* allocator = new BlockAllocator(c10::GetAllocator(c10::DeviceType::CPU));
+    BlockAllocator::instance() = allocator;
+    c10::SetAllocator(c10::DeviceType::CPU, allocator, /*priority=*/1);
+    installed = c10::GetAllocator(c10::DeviceType::CPU) == allocator;
+  });
+  return installed;
 }
 
 bool managedByFsdp(const at::Tensor& tensor) {

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -141,6 +142,60 @@ TEST(SpareBlocks, EveryWorkerRefusesABadWarmSizeInInitNotOnlyTheSpares) {
     FAIL() << "fsdp::init() took FSDP_SPARE_WARM_MB=-3";
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("FSDP_SPARE_WARM_MB='-3': expected megabytes"), std::string::npos) << e.what();
+  }
+}
+
+// FSDP_CPU_BLOCK_ALLOCATOR=1: LibTorch's big CPU tensors come from the block cache (a freed
+// one's memory, already in memory, serves the next of its size), are not taken for FSDP's own
+// (a wrap of a model whose parameters they are is a first wrap), and small ones stay LibTorch's.
+TEST(CpuBlockAllocator, BigTensorsReuseCachedMemoryAndAreNotFsdpsOwn) {
+  ::setenv("FSDP_CPU_BLOCK_ALLOCATOR", "1", 1);
+  checkBlockEnvironment();
+  auto big = at::empty({static_cast<std::int64_t>(kMiB)}, at::kFloat);  // 4 MiB
+  const void* const where = big.data_ptr();
+  big.fill_(7);
+  EXPECT_FALSE(managedByFsdp(big));
+  big = at::Tensor();
+  auto again = at::empty({static_cast<std::int64_t>(kMiB)}, at::kFloat);
+  EXPECT_EQ(again.data_ptr(), where) << "the freed block was not reused";
+  EXPECT_EQ(residentFraction(again), 1.0);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(again.data_ptr()) % 64, 0U);
+  // Arithmetic over such tensors is LibTorch's as ever.
+  again.fill_(2);
+  auto sum = again + at::ones_like(again);
+  EXPECT_EQ(sum.sum().item<double>(), 3.0 * kMiB);
+  const auto small = at::ones({16}, at::kFloat);
+  EXPECT_EQ(small.storage().data_ptr().get_deleter(), at::ones({16}).storage().data_ptr().get_deleter());
+  EXPECT_NE(small.storage().data_ptr().get_deleter(), again.storage().data_ptr().get_deleter());
+}
+
+// oneDNN allocates raw through LibTorch's CPU allocator and frees through its raw deleter, one
+// function for every size (a big raw allocation once failed LibTorch's check in every
+// convolution): a big raw block goes back to the cache, a small one to LibTorch.
+TEST(CpuBlockAllocator, RawAllocationsOfEverySizeAreFreedByTheirOwnAllocator) {
+  ::setenv("FSDP_CPU_BLOCK_ALLOCATOR", "1", 1);
+  checkBlockEnvironment();
+  c10::Allocator* const cpu = c10::GetAllocator(c10::DeviceType::CPU);
+  void* const big = cpu->raw_allocate(4 * kMiB);
+  std::memset(big, 1, 4 * kMiB);
+  void* const small = cpu->raw_allocate(64);
+  std::memset(small, 1, 64);
+  cpu->raw_deallocate(small);
+  cpu->raw_deallocate(big);
+  EXPECT_EQ(at::empty({static_cast<std::int64_t>(kMiB)}, at::kFloat).data_ptr(), big);
+  // A convolution (oneDNN's buffers) over a big input runs and gives LibTorch's result.
+  const auto input = at::ones({8, 16, 64, 64}, at::kFloat);
+  const auto weight = at::full({16, 16, 3, 3}, 0.5f);
+  EXPECT_EQ(at::conv2d(input, weight).mean().item<float>(), 72.0f);
+}
+
+TEST(CpuBlockAllocator, AValueOtherThanZeroOrOneIsRefusedWithTheVariablesName) {
+  ::setenv("FSDP_CPU_BLOCK_ALLOCATOR", "2", 1);
+  try {
+    checkBlockEnvironment();
+    FAIL() << "FSDP_CPU_BLOCK_ALLOCATOR=2 was taken";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("FSDP_CPU_BLOCK_ALLOCATOR='2': expected 0 or 1"), std::string::npos) << e.what();
   }
 }
 
