@@ -263,9 +263,14 @@ class BlockAllocator final : public c10::Allocator {
   mutable std::unordered_set<void*> live_;
 };
 
-}  // namespace
-
-namespace {
+// Once per process; never destroyed: tensors it made may be freed during exit.
+void installCpuBlockAllocator() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    BlockAllocator::instance() = new BlockAllocator(c10::GetAllocator(c10::DeviceType::CPU));
+    c10::SetAllocator(c10::DeviceType::CPU, BlockAllocator::instance(), /*priority=*/1);
+  });
+}
 
 // The spare's warm-up: its thread, which ends on its own, and what it did.
 struct Warming {
@@ -339,18 +344,6 @@ void checkBlockEnvironment() {
   if (cpu == 1) installCpuBlockAllocator();
 }
 
-bool installCpuBlockAllocator() {
-  static std::once_flag once;
-  static bool installed = false;
-  std::call_once(once, [] {
-    // Never destroyed: tensors it made may be freed during exit.
-    static auto* allocator = new BlockAllocator(c10::GetAllocator(c10::DeviceType::CPU));
-    BlockAllocator::instance() = allocator;
-    c10::SetAllocator(c10::DeviceType::CPU, allocator, /*priority=*/1);
-    installed = c10::GetAllocator(c10::DeviceType::CPU) == allocator;
-  });
-  return installed;
-}
 
 bool managedByFsdp(const at::Tensor& tensor) {
   if (!tensor.has_storage()) return false;

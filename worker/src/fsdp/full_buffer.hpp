@@ -34,13 +34,10 @@ WarmedBlocks awaitWarmedSpareBlocks();
 // fsdp::init(), in every worker: FSDP_BLOCK_CACHE_MB and FSDP_SPARE_WARM_MB are read now, so that
 // a bad value stops the job at its start (ConfigError naming the variable) instead of killing
 // only the spares, which alone use FSDP_SPARE_WARM_MB, or a worker at its first block; and
-// FSDP_CPU_BLOCK_ALLOCATOR (0, the default, or 1: installCpuBlockAllocator()).
+// FSDP_CPU_BLOCK_ALLOCATOR (0, the default, or 1: LibTorch's CPU tensors of 1 MB or more are then
+// cut from the same block cache as FSDP's blocks, and from a spare's warmed memory, within
+// FSDP_BLOCK_CACHE_MB).
 void checkBlockEnvironment();
-
-// LibTorch's CPU tensors of 1 MB or more are then cut from the same block cache as FSDP's blocks
-// (and from a spare's warmed memory), within FSDP_BLOCK_CACHE_MB; once per process. False where
-// LibTorch kept another allocator.
-bool installCpuBlockAllocator();
 
 // A 1-D tensor of `numel` elements over a fresh block (uninitialised).
 at::Tensor emptyBlock(std::int64_t numel, const at::TensorOptions& options);
