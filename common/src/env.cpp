@@ -52,6 +52,13 @@ long long envInt(const EnvLookup& env, const std::string& name, long long fallba
   return *value;
 }
 
+bool envFlag(const EnvLookup& env, const std::string& name, bool fallback) {
+  const auto raw = env(name);
+  if (!raw) return fallback;
+  if (*raw == "0" || *raw == "1") return *raw == "1";
+  throw ConfigError("environment variable " + name + "='" + *raw + "': expected 0 or 1");
+}
+
 long long requireEnvInt(const EnvLookup& env, const std::string& name) {
   if (!env(name)) {
     throw ConfigError("environment variable " + name +

@@ -14,8 +14,10 @@
 #include <torch/optim.h>
 
 #include <future>
+#include <iostream>
 #include <sstream>
 
+#include "comm/nccl/nccl_bootstrap.hpp"
 #include "fsdp/common/error.hpp"
 #include "fsdp/rendezvous/store_server.hpp"
 #include "fsdp/worker/fsdp.hpp"
@@ -150,6 +152,37 @@ TEST(GpuNccl, BadInputsAreNamedBeforeAnythingRuns) {
   });
 }
 
+// An all-reduce of 64 M floats issued on `nccl`, then the communicator aborted at once (the
+// operation in flight, or just finished): "" when its wait returned or threw CommAborted and a
+// later operation was refused with CommAborted; what went wrong otherwise.
+std::string abortWithAnOperationInFlight(fw::Communicator& nccl, const at::Device& device, const std::string& why) {
+  auto big = at::ones({64L << 20}, at::TensorOptions().device(device));
+  auto work = nccl.allReduce(big);
+  if (!nccl.abort(why)) return "abort() said the device needs a new process";
+  try {
+    work.wait();
+  } catch (const fsdp::CommAborted&) {
+  } catch (const std::exception& e) {
+    return std::string("the operation in flight: another error than CommAborted: ") + e.what();
+  }
+  try {
+    nccl.allReduce(big).wait();
+    return "an operation after the abort was not refused";
+  } catch (const fsdp::CommAborted&) {
+  }
+  return "";
+}
+
+// The next round's communicator of `world` ranks sums right and passes a barrier: "" when so.
+std::string stepsAgain(fw::Communicator& next, int rank, int world, const at::Device& device) {
+  auto t = at::full({1000}, static_cast<float>(rank + 1), at::TensorOptions().device(device));
+  next.allReduce(t).wait();
+  const float expected = static_cast<float>(world * (world + 1) / 2);
+  if (!at::equal(t.cpu(), at::full({1000}, expected))) return "the next communicator's sum is wrong";
+  next.barrier().wait();
+  return "";
+}
+
 // Communicator::abort on a real device (an in-process re-formation, reform.hpp): an all-reduce
 // of 64 M floats issued, the communicator aborted at once (the operation in flight, or just
 // finished: its wait returns or throws CommAborted, never hangs); every later operation is
@@ -166,29 +199,55 @@ TEST(GpuNccl, AnAbortWithAnOperationInFlightThenTheNextCommunicatorStepsAgain) {
       auto store = fsdp::rendezvous::StoreClient::connect("127.0.0.1", server.port(), {.timeout = 60s});
       auto nccl = fw::createNcclCommunicator(
           *store, {.rank = r, .size = world, .device = r, .storePrefix = "abort/round1", .timeout = 60s});
-      auto big = at::ones({64L << 20}, at::TensorOptions().device(device));
-      auto work = nccl->allReduce(big);
-      if (!nccl->abort("test: the round ended")) return "abort() said the device needs a new process";
-      try {
-        work.wait();
-      } catch (const fsdp::CommAborted&) {
-      } catch (const std::exception& e) {
-        return std::string("the operation in flight: another error than CommAborted: ") + e.what();
-      }
-      try {
-        nccl->allReduce(big).wait();
-        return "an operation after the abort was not refused";
-      } catch (const fsdp::CommAborted&) {
+      if (auto wrong = abortWithAnOperationInFlight(*nccl, device, "test: the round ended"); !wrong.empty()) {
+        return wrong;
       }
       nccl.reset();
       auto next = fw::createNcclCommunicator(
           *store, {.rank = r, .size = world, .device = r, .storePrefix = "abort/round2", .timeout = 60s});
-      auto t = at::full({1000}, static_cast<float>(r + 1), at::TensorOptions().device(device));
-      next->allReduce(t).wait();
-      const float expected = static_cast<float>(world * (world + 1) / 2);
-      if (!at::equal(t.cpu(), at::full({1000}, expected))) return "the next communicator's sum is wrong";
-      next->barrier().wait();
-      return "";
+      return stepsAgain(*next, r, world, device);
+    }));
+  }
+  for (auto& f : ranks) EXPECT_EQ(f.get(), "");
+}
+
+// The abort of a re-formation on a library with ncclCommRevoke and ncclCommShrink (NCCL 2.28+;
+// on an older one the abort path again): an all-reduce of 64 M floats in flight, the
+// communicator aborted (revoked), its waiter woken, the revoked communicator taken as the next
+// round's parent. With two devices or more the last rank is lost and the others shrink the
+// parent (no new id) and sum right; with one, nothing was lost: the parent goes and a new id
+// serves, as it does wherever a rank is new.
+TEST(GpuNccl, ARevokedCommunicatorIsShrunkToTheSurvivorsOrGivesWayToANewId) {
+  SKIP_WITHOUT_GPU();
+  namespace fd = fw::detail;
+  const int world = std::min(fw::cudaDeviceCount(), 4);
+  const auto api = fd::cudaNcclApi();
+  const bool shrinks = api->canShrink();
+  std::cout << "NCCL " << fd::ncclLibraryVersion() << ": ncclCommRevoke and ncclCommShrink " << (shrinks ? "found" : "absent")
+            << "\n";
+  const int survivors = world > 1 ? world - 1 : 1;
+  fsdp::rendezvous::StoreServer server(fsdp::rendezvous::ServerOptions{});
+  std::vector<std::future<std::string>> ranks;
+  for (int r = 0; r < world; ++r) {
+    ranks.push_back(std::async(std::launch::async, [&, r]() -> std::string {
+      const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(r));
+      const c10::DeviceGuard guard(device);
+      auto store = fsdp::rendezvous::StoreClient::connect("127.0.0.1", server.port(), {.timeout = 60s});
+      auto nccl = fd::createNcclCommunicator(
+          *store, {.rank = r, .size = world, .device = r, .storePrefix = "shrink/round1", .timeout = 60s}, api,
+          fsdp::Deadline::after(60s));
+      const auto why = "test: rank " + std::to_string(world - 1) + " was lost";
+      if (auto wrong = abortWithAnOperationInFlight(*nccl, device, why); !wrong.empty()) return wrong;
+      auto parent = fd::takeNcclParent(*nccl);
+      if (shrinks != (parent != nullptr)) {
+        return shrinks ? "the abort kept no revoked communicator" : "a parent without revoke in the library";
+      }
+      nccl.reset();
+      if (r >= survivors) return "";  // the lost rank: its parent aborted with it
+      auto next = fd::createNcclCommunicator(
+          *store, {.rank = r, .size = survivors, .device = r, .storePrefix = "shrink/round2", .timeout = 60s}, api,
+          fsdp::Deadline::after(60s), std::move(parent), true);
+      return stepsAgain(*next, r, survivors, device);
     }));
   }
   for (auto& f : ranks) EXPECT_EQ(f.get(), "");

@@ -256,7 +256,8 @@ std::unique_ptr<Runtime> init(const InitOptions& options) {
 
 namespace detail {
 
-Communicators buildCommunicators(const WorkerEnv& env, rendezvous::StoreClient& storeClient, const InitOptions& options) {
+Communicators buildCommunicators(const WorkerEnv& env, rendezvous::StoreClient& storeClient, const InitOptions& options,
+                                 std::unique_ptr<NcclParent> ncclParent) {
   auto* store = &storeClient;
   const auto requested = processEnv()("FSDPRUN_BACKEND");
   auto choice = chooseBackend(requested, options.backend, probeBackends(), env.localRank, env.localWorldSize);
@@ -331,11 +332,15 @@ Communicators buildCommunicators(const WorkerEnv& env, rendezvous::StoreClient& 
                       glooUnavailableReason());
   }
   if (choice.backend == Backend::kNccl) {
-    auto nccl = worker::createNcclCommunicator(*store, {.rank = env.rank,
-                                                        .size = env.worldSize,
-                                                        .device = choice.device,
-                                                        .storePrefix = round + "nccl/world",
-                                                        .timeout = options.timeout});
+    // A round after the first may shrink the last one's communicator (its ranks say what they hold).
+    auto nccl = createNcclCommunicator(*store,
+                                       {.rank = env.rank,
+                                        .size = env.worldSize,
+                                        .device = choice.device,
+                                        .storePrefix = round + "nccl/world",
+                                        .timeout = options.timeout},
+                                       cudaNcclApi(), Deadline::after(options.timeout), std::move(ncclParent),
+                                       env.round > 0);
     return {std::move(nccl), std::move(gloo), Backend::kNccl, choice.reason};
   }
   // kShm where ranks are not node-major (or one per node): Gloo for the world; HYBRID_SHARD's

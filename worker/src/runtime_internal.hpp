@@ -5,6 +5,7 @@
 #include <memory>
 #include <string>
 
+#include "comm/nccl/nccl_bootstrap.hpp"
 #include "fsdp/worker/runtime.hpp"
 
 namespace fsdp::worker::detail {
@@ -17,7 +18,10 @@ struct Communicators {
   Backend backend = Backend::kGloo;
   std::string reason;  // why this backend, for the log line
 };
-Communicators buildCommunicators(const WorkerEnv& env, rendezvous::StoreClient& store, const InitOptions& options);
+// `ncclParent`: the last round's NCCL communicator of a re-formation (takeNcclParent), which
+// this round shrinks where every rank holds it (nccl_bootstrap.hpp).
+Communicators buildCommunicators(const WorkerEnv& env, rendezvous::StoreClient& store, const InitOptions& options,
+                                 std::unique_ptr<NcclParent> ncclParent = nullptr);
 
 // `inner` under a ReformableCommunicator (nullptr stays nullptr).
 std::unique_ptr<Communicator> reformable(std::unique_ptr<Communicator> inner);

@@ -42,6 +42,7 @@ class RecordedCommunicator final : public Communicator {
   const char* backendName() const override { return inner_->backendName(); }
   c10::Device device() const override { return inner_->device(); }
   bool abort(const std::string& why) override { return inner_->abort(why); }
+  Communicator& inner() { return *inner_; }
 
   Work allReduce(at::Tensor tensor, ReduceOp op) override {
     return record(flight::Op::kAllReduce, tensor, [&] { return inner_->allReduce(tensor, op); });
@@ -175,6 +176,11 @@ class RecordedCommunicator final : public Communicator {
 };
 
 }  // namespace
+
+Communicator& unrecorded(Communicator& comm) {
+  auto* recorded = dynamic_cast<RecordedCommunicator*>(&comm);
+  return recorded != nullptr ? recorded->inner() : comm;
+}
 
 std::unique_ptr<Communicator> recordCollectives(std::unique_ptr<Communicator> inner, std::string group) {
   if (!inner || !FlightRecorder::process().enabled()) return inner;

@@ -114,5 +114,7 @@ const char* currentCommTag();
 // Wraps `inner` so that every collective is recorded under `group` ("world", "shard", ...).
 // Returns `inner` itself when the recorder is off.
 std::unique_ptr<Communicator> recordCollectives(std::unique_ptr<Communicator> inner, std::string group);
+// The communicator under recordCollectives()' wrapper; `comm` itself when it is not one.
+Communicator& unrecorded(Communicator& comm);
 
 }  // namespace fsdp::worker::detail

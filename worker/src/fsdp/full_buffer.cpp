@@ -337,11 +337,7 @@ WarmedBlocks awaitWarmedSpareBlocks() {
 void checkBlockEnvironment() {
   blockCache();
   envBytesFromMb("FSDP_SPARE_WARM_MB", 0);
-  const long long cpu = envInt(processEnv(), "FSDP_CPU_BLOCK_ALLOCATOR", 0);
-  if (cpu != 0 && cpu != 1) {
-    throw ConfigError("environment variable FSDP_CPU_BLOCK_ALLOCATOR='" + std::to_string(cpu) + "': expected 0 or 1");
-  }
-  if (cpu == 1) installCpuBlockAllocator();
+  if (envFlag(processEnv(), "FSDP_CPU_BLOCK_ALLOCATOR", false)) installCpuBlockAllocator();
 }
 
 

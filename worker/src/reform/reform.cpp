@@ -64,6 +64,8 @@ struct RuntimeReform {
     // The old round's communicators go first: their threads end, their shared memory goes.
     auto* comm = static_cast<ReformableCommunicator*>(rt.comm_.get());
     auto* cpu = static_cast<ReformableCommunicator*>(rt.cpuComm_.get());
+    // An NCCL communicator revoked by the abort outlives its object: the new round may shrink it.
+    auto ncclParent = comm->takeNcclParent();
     comm->release();
     if (cpu != nullptr) cpu->release();
     if (next.storeHost != rt.env_.storeHost || next.storePort != rt.env_.storePort) {
@@ -76,7 +78,7 @@ struct RuntimeReform {
     rt.env_ = std::move(next);
     // The flight ring says from when its records are this round's (the hang report reads it).
     FlightRecorder::process().attach(rt.env_.rank);
-    auto built = buildCommunicators(rt.env_, *rt.store_, rt.initOptions_);
+    auto built = buildCommunicators(rt.env_, *rt.store_, rt.initOptions_, std::move(ncclParent));
     if ((built.cpuComm != nullptr) != (cpu != nullptr) || built.backend != rt.backend_) {
       throw ReformError(std::string("the new round's communicators are of another kind (") + backendName(built.backend) +
                         ", was " + backendName(rt.backend_) + ")");

@@ -7,6 +7,7 @@
 #include <memory>
 #include <mutex>
 
+#include "comm/nccl/nccl_bootstrap.hpp"
 #include "fsdp/worker/communicator.hpp"
 
 namespace fsdp::worker::detail {
@@ -46,6 +47,12 @@ class ReformableCommunicator final : public Communicator {
     old.reset();
     std::scoped_lock lock(mutex_);
     inner_ = std::move(next);
+  }
+  // What the round's NCCL communicator keeps after its abort for the next round's shrink
+  // (nccl_bootstrap.hpp); nullptr for any other. From the training thread, before release().
+  std::unique_ptr<NcclParent> takeNcclParent() {
+    std::scoped_lock lock(mutex_);
+    return detail::takeNcclParent(*inner_);
   }
   // The old round's communicator destroyed before the new one is built (its shared memory, its
   // sockets, its threads go first). Operations fail until replace().

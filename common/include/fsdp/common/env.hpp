@@ -28,6 +28,10 @@ std::optional<double> parseDouble(const std::string& text);
 // an integer, returns `fallback` when unset.
 long long envInt(const EnvLookup& env, const std::string& name, long long fallback);
 
+// Reads a switch: 0 or 1 (returned as false or true), `fallback` when unset; throws ConfigError
+// naming the variable and its value otherwise.
+bool envFlag(const EnvLookup& env, const std::string& name, bool fallback);
+
 // Reads an integer variable that must be set; throws ConfigError naming it otherwise.
 long long requireEnvInt(const EnvLookup& env, const std::string& name);
 

@@ -2,8 +2,9 @@
 // A CUDA runtime and NCCL that run on the CPU, behind the NCCL communicator's seam
 // (worker/src/comm/nccl/nccl_api.hpp): handles are numbers, an event is reached when the test says
 // so, and the test can make a record fail, an enqueue or an init hang, a communicator report an
-// asynchronous error. It counts what was made and destroyed, logs stream waits, and notes any
-// call on an aborted communicator or any wait on an event never recorded.
+// asynchronous error, the library revoke and shrink (NCCL 2.28) or not. It counts what was made
+// and destroyed, logs stream waits and shrinks, and notes any call on an aborted communicator,
+// any collective on a revoked one, and any wait on an event never recorded.
 //
 // The current stream and device are per thread, as PyTorch's and CUDA's are. Thread-safe.
 
@@ -37,8 +38,10 @@ class FakeNcclApi final : public fd::NcclApi {
   struct Counts {
     int eventsCreated = 0, eventsDestroyed = 0, streamsCreated = 0, streamsDestroyed = 0;
     int aborts = 0, finalizes = 0, destroys = 0, collectives = 0, synchronizes = 0;
+    int inits = 0, revokes = 0, shrinks = 0;
     int allocated = 0, released = 0;
-    int callsAfterAbort = 0;    // must stay 0: an aborted communicator is freed
+    int callsAfterAbort = 0;    // must stay 0: an aborted communicator is freed, a revoked one
+                                // takes no collective
     int waitsOnUnrecorded = 0;  // must stay 0: such a wait orders nothing
   };
 
@@ -91,6 +94,26 @@ class FakeNcclApi final : public fd::NcclApi {
     std::scoped_lock lock(mutex_);
     finalizeHangs_ = true;
   }
+  // The library has ncclCommRevoke and ncclCommShrink (off: an NCCL before 2.28).
+  void setShrinkSupported(bool on) {
+    std::scoped_lock lock(mutex_);
+    canShrink_ = on;
+  }
+  // commRevoke fails with `cause`; or stays "in progress" for ever (a test's bound: the caller
+  // gives up first).
+  void setRevokeFails(std::string cause) {
+    std::scoped_lock lock(mutex_);
+    revokeFails_ = std::move(cause);
+  }
+  void setRevokeNeverSettles() {
+    std::scoped_lock lock(mutex_);
+    revokeHangs_ = true;
+  }
+  void setShrinkFails(std::string cause) {
+    std::scoped_lock lock(mutex_);
+    shrinkFails_ = std::move(cause);
+  }
+
   // Called (without the fake's lock) on each stream wait and each stream synchronize.
   void onStreamWait(std::function<void(Stream, Event)> hook) {
     std::scoped_lock lock(mutex_);
@@ -122,6 +145,16 @@ class FakeNcclApi final : public fd::NcclApi {
   Event lastCommEvent() const {
     std::scoped_lock lock(mutex_);
     return lastCommEvent_;
+  }
+  // Each shrink: the parent and the ranks it left out, in call order.
+  std::vector<std::pair<Comm, std::vector<int>>> shrinks() const {
+    std::scoped_lock lock(mutex_);
+    return shrinkLog_;
+  }
+  bool isAborted(Comm comm) const {
+    std::scoped_lock lock(mutex_);
+    const auto it = comms_.find(id(comm));
+    return it != comms_.end() && it->second.aborted;
   }
   int queriesOf(Event event) const {
     std::scoped_lock lock(mutex_);
@@ -230,6 +263,7 @@ class FakeNcclApi final : public fd::NcclApi {
   }
   fd::Made<Comm> commInitRank(int, const std::string&, int) override {
     std::scoped_lock lock(mutex_);
+    ++counts_.inits;
     const auto c = next_++;
     auto& comm = comms_[c];
     if (!initFails_.empty()) return {Result::failed(initFails_), handle(c)};
@@ -238,7 +272,8 @@ class FakeNcclApi final : public fd::NcclApi {
   }
   Result commAsyncError(Comm comm) override {
     std::scoped_lock lock(mutex_);
-    auto& c = use(comm);
+    auto& c = use(comm, true);
+    if (c.revoked) return revokeHangs_ ? Result::pending() : Result::done();
     if (!c.asyncError.empty()) return Result::failed(c.asyncError);
     if (c.initializing) {
       if (++c.initPolls > initPollCap_) {
@@ -269,10 +304,36 @@ class FakeNcclApi final : public fd::NcclApi {
   void commAbort(Comm comm) override {
     std::scoped_lock lock(mutex_);
     ++counts_.aborts;
-    auto& c = use(comm);
+    auto& c = use(comm, true);
     c.aborted = true;
     c.enqueuePending = false;
     changed_.notify_all();
+  }
+  bool canShrink() override {
+    std::scoped_lock lock(mutex_);
+    return canShrink_;
+  }
+  Result commRevoke(Comm comm) override {
+    std::scoped_lock lock(mutex_);
+    ++counts_.revokes;
+    auto& c = use(comm);
+    if (!canShrink_) ++counts_.callsAfterAbort;  // never called on an older library
+    if (!revokeFails_.empty()) return Result::failed(revokeFails_);
+    c.revoked = true;
+    c.enqueuePending = false;
+    changed_.notify_all();
+    return Result::pending();  // as NCCL: in progress until quiescent
+  }
+  fd::Made<Comm> commShrink(Comm parent, const std::vector<int>& exclude) override {
+    std::scoped_lock lock(mutex_);
+    ++counts_.shrinks;
+    auto& p = use(parent, true);
+    if (!p.revoked) ++counts_.callsAfterAbort;  // the parent is always revoked first
+    shrinkLog_.emplace_back(parent, exclude);
+    if (!shrinkFails_.empty()) return {Result::failed(shrinkFails_), nullptr};
+    const auto c = next_++;
+    comms_[c];
+    return {Result::done(), handle(c)};
   }
   Result allReduce(const void*, void*, std::size_t, at::ScalarType, fsdp::worker::ReduceOp,
                    Comm comm, Stream) override {
@@ -303,6 +364,7 @@ class FakeNcclApi final : public fd::NcclApi {
     bool hangEnqueues = false;
     bool enqueuePending = false;
     bool finalizing = false;
+    bool revoked = false;
     std::string asyncError;
   };
 
@@ -315,10 +377,11 @@ class FakeNcclApi final : public fd::NcclApi {
     thread_local int device = 0;
     return device;
   }
-  // Caller holds mutex_.
-  CommState& use(Comm comm) {
+  // Caller holds mutex_. `management`: a poll, an abort or a shrink, which a revoked
+  // communicator takes.
+  CommState& use(Comm comm, bool management = false) {
     auto& c = comms_[id(comm)];
-    if (c.aborted) ++counts_.callsAfterAbort;
+    if (c.aborted || (c.revoked && !management)) ++counts_.callsAfterAbort;
     return c;
   }
   Result enqueue(Comm comm) {
@@ -347,6 +410,11 @@ class FakeNcclApi final : public fd::NcclApi {
   std::string initFails_;
   bool finalizeHangs_ = false;
   bool enqueuePolled_ = false;
+  bool canShrink_ = false;
+  std::string revokeFails_;
+  bool revokeHangs_ = false;
+  std::string shrinkFails_;
+  std::vector<std::pair<Comm, std::vector<int>>> shrinkLog_;
   std::function<void(Stream, Event)> onWait_;
   std::function<void(Stream)> onSync_;
 };

@@ -22,6 +22,11 @@
 // dead peer), and every pending and later operation throws fsdp::Error naming the rank, the
 // operation and the cause. No lock is held while a non-blocking call settles.
 //
+// Communicator::abort() (an in-process re-formation) fails what is in flight and later
+// operations with fsdp::CommAborted; on NCCL 2.28+ it revokes the communicator (ncclCommRevoke:
+// the kernels end as with an abort) instead of aborting it, so that the next round of
+// fsdp::init()'s runtime can shrink it to the survivors (FSDP_NCCL_SHRINK=0 turns that off).
+//
 // Destruction: during stack unwinding, or after a failure, the communicator is aborted at once;
 // otherwise operations in flight finish and it is finalized, within one timeout (aborted past
 // it).

@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "fsdp/worker/communicator.hpp"
 
@@ -97,6 +98,17 @@ class NcclApi {
   virtual void commDestroy(NcclComm comm) = 0;
   // Ends the communicator and the kernels it has queued, even those stuck on a dead peer.
   virtual void commAbort(NcclComm comm) = 0;
+  // Whether the library can revoke a communicator and shrink it to its survivors
+  // (ncclCommRevoke and ncclCommShrink, NCCL 2.28 and later, looked up when the library is
+  // loaded: an older one answers false and the two calls below are never made).
+  virtual bool canShrink() = 0;
+  // ncclCommRevoke: ends the operations in flight, kernels included, and keeps the communicator
+  // for a shrink; pending until it is quiescent (commAsyncError() says when).
+  virtual ApiResult commRevoke(NcclComm comm) = 0;
+  // ncclCommShrink (non-blocking, the parent's configuration): every rank not in `exclude` calls
+  // it with the same list; the new communicator numbers them in their old order. Pending until
+  // it settled, as an init.
+  virtual Made<NcclComm> commShrink(NcclComm parent, const std::vector<int>& exclude) = 0;
   virtual ApiResult allReduce(const void* send, void* recv, std::size_t count, at::ScalarType type,
                               ReduceOp op, NcclComm comm, CudaStream stream) = 0;
   virtual ApiResult allGather(const void* send, void* recv, std::size_t countPerRank,
@@ -111,5 +123,9 @@ class NcclApi {
 // The real one, over cudart and NCCL (nccl_cuda_api.cpp). Throws ConfigError in a build
 // without NCCL.
 std::shared_ptr<NcclApi> cudaNcclApi();
+
+// The loaded NCCL library's version (ncclGetVersion: 22800 for 2.28.0), 0 in a build without
+// NCCL. Needs no device.
+int ncclLibraryVersion();
 
 }  // namespace fsdp::worker::detail

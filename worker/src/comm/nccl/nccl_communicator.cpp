@@ -7,6 +7,7 @@
 #include "comm/nccl/nccl_api.hpp"
 #include "comm/nccl/nccl_bootstrap.hpp"
 #include "comm/nccl/nccl_queue.hpp"
+#include "comm/recorded_communicator.hpp"
 #include "fsdp/common/error.hpp"
 
 namespace fsdp::worker {
@@ -44,6 +45,14 @@ class NcclCommunicator final : public Communicator {
   const char* backendName() const override { return "NCCL"; }
 
   bool abort(const std::string& why) override { return queue_->abort(why); }
+
+  // The revoked communicator of an abort, for the next round's shrink.
+  std::unique_ptr<NcclParent> takeParent() {
+    const NcclComm comm = queue_->takeRevoked();
+    if (comm == nullptr) return nullptr;
+    return std::make_unique<NcclParent>(api_, comm, options_.rank, options_.size, options_.device,
+                                        options_.storePrefix);
+  }
 
   Work allReduce(at::Tensor tensor, ReduceOp op) override {
     check(tensor, "allReduce");
@@ -137,11 +146,18 @@ class NcclCommunicator final : public Communicator {
 
 }  // namespace
 
+std::unique_ptr<NcclParent> takeNcclParent(Communicator& comm) {
+  auto* nccl = dynamic_cast<NcclCommunicator*>(&unrecorded(comm));
+  return nccl != nullptr ? nccl->takeParent() : nullptr;
+}
+
 std::unique_ptr<Communicator> createNcclCommunicator(rendezvous::StoreClient& store,
                                                      const NcclOptions& options,
                                                      std::shared_ptr<NcclApi> api,
-                                                     const Deadline& deadline) {
+                                                     const Deadline& deadline,
+                                                     std::unique_ptr<NcclParent> parent, bool announce) {
   checkNcclOptions(options);
+  api->canShrink();  // a bad FSDP_NCCL_SHRINK is refused here, not in an abort
   const std::string who =
       rankText(options.rank, options.size) + " (cuda:" + std::to_string(options.device) + ")";
   const int devices = api->deviceCount();
@@ -153,7 +169,8 @@ std::unique_ptr<Communicator> createNcclCommunicator(rendezvous::StoreClient& st
   if (const auto r = api->setDevice(options.device); !r.isDone()) {
     throw Error("NCCL communicator on " + who + ": cudaSetDevice: " + r.cause);
   }
-  const NcclComm comm = joinNcclGroup(store, options, *api, deadline);
+  if (parent != nullptr && parent->device != options.device) parent.reset();
+  const NcclComm comm = joinNcclGroup(store, options, *api, deadline, std::move(parent), announce);
   const auto stream = api->createStream();
   const auto scratch = stream.result.isDone() ? api->allocate(sizeof(float)) : Made<void*>{};
   if (!stream.result.isDone() || !scratch.result.isDone()) {

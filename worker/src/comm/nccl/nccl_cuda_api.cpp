@@ -8,9 +8,12 @@
 #if FSDP_HAVE_NCCL
 
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 #include <nccl.h>
 
 #include <cstring>
+
+#include "fsdp/common/env.hpp"
 
 // Debian's CPU LibTorch ships c10/cuda headers without the generated macros header; only a
 // CUDA LibTorch has it, so that header tells the two apart.
@@ -91,6 +94,34 @@ ncclRedOp_t ncclOp(ReduceOp op) {
   return ncclSum;
 }
 
+#ifndef NCCL_SHRINK_ABORT
+#define NCCL_SHRINK_ABORT 0x01  // nccl.h before 2.27 lacks it; the call is looked up at run time
+#endif
+
+// ncclCommRevoke and ncclCommShrink (NCCL 2.28+), looked up in the NCCL library this process
+// loaded rather than linked: a library older than the headers this was built with must still
+// load, and then answers canShrink() false. FSDP_NCCL_SHRINK=0 turns them off.
+struct ShrinkCalls {
+  ncclResult_t (*revoke)(ncclComm_t, int) = nullptr;
+  ncclResult_t (*shrink)(ncclComm_t, int*, int, ncclComm_t*, ncclConfig_t*, int) = nullptr;
+};
+
+const ShrinkCalls& shrinkCalls() {
+  static const ShrinkCalls calls = [] {
+    ShrinkCalls found;
+    if (!envFlag(processEnv(), "FSDP_NCCL_SHRINK", true)) return found;
+    Dl_info info{};
+    if (dladdr(reinterpret_cast<void*>(&ncclGetVersion), &info) == 0 || info.dli_fname == nullptr) return found;
+    void* library = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+    if (library == nullptr) return found;
+    found.revoke = reinterpret_cast<decltype(found.revoke)>(dlsym(library, "ncclCommRevoke"));
+    found.shrink = reinterpret_cast<decltype(found.shrink)>(dlsym(library, "ncclCommShrink"));
+    if (found.revoke == nullptr || found.shrink == nullptr) found = {};
+    return found;
+  }();
+  return calls;
+}
+
 class CudaNcclApi final : public NcclApi {
  public:
   int deviceCount() override { return worker::cudaDeviceCount(); }
@@ -159,6 +190,23 @@ class CudaNcclApi final : public NcclApi {
   }
   void commDestroy(NcclComm comm) override { ncclCommDestroy(asComm(comm)); }
   void commAbort(NcclComm comm) override { ncclCommAbort(asComm(comm)); }
+  bool canShrink() override { return shrinkCalls().shrink != nullptr; }
+  ApiResult commRevoke(NcclComm comm) override {
+    if (!canShrink()) return ApiResult::failed("ncclCommRevoke: not in this NCCL library");
+    return nccl(shrinkCalls().revoke(asComm(comm), 0), asComm(comm));
+  }
+  Made<NcclComm> commShrink(NcclComm parent, const std::vector<int>& exclude) override {
+    if (!canShrink()) return {ApiResult::failed("ncclCommShrink: not in this NCCL library"), nullptr};
+    // NCCL reads a null list as a split; the bootstrap shrinks only where a rank was lost.
+    if (exclude.empty()) return {ApiResult::failed("ncclCommShrink: no rank to exclude"), nullptr};
+    std::vector<int> list = exclude;
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclComm_t comm = nullptr;
+    const auto result = shrinkCalls().shrink(asComm(parent), list.data(), static_cast<int>(exclude.size()), &comm,
+                                             &config, NCCL_SHRINK_ABORT);
+    return {nccl(result, comm != nullptr ? comm : asComm(parent)), comm};
+  }
 
   ApiResult allReduce(const void* send, void* recv, std::size_t count, at::ScalarType type,
                       ReduceOp op, NcclComm comm, CudaStream stream) override {
@@ -191,6 +239,11 @@ class CudaNcclApi final : public NcclApi {
 
 std::shared_ptr<NcclApi> cudaNcclApi() { return std::make_shared<CudaNcclApi>(); }
 
+int ncclLibraryVersion() {
+  int version = 0;
+  return ncclGetVersion(&version) == ncclSuccess ? version : 0;
+}
+
 }  // namespace detail
 
 bool ncclAvailable() { return true; }
@@ -215,6 +268,8 @@ std::shared_ptr<detail::NcclApi> detail::cudaNcclApi() {
       "this libfsdp was built without NCCL (CMake found no CUDA runtime and NCCL; set CUDA_HOME / "
       "NCCL_HOME, sanitizer builds leave it out); CUDA tensors need it");
 }
+
+int detail::ncclLibraryVersion() { return 0; }
 
 bool ncclAvailable() { return false; }
 int cudaDeviceCount() { return 0; }

@@ -7,20 +7,14 @@
 #include <deque>
 #include <exception>
 #include <map>
+#include <utility>
 
 #include "fsdp/common/error.hpp"
 #include "fsdp/common/log.hpp"
 
 namespace fsdp::worker::detail {
-namespace {
 
-constexpr auto kPoll = std::chrono::milliseconds(1);
-
-// NCCL: "it is not safe to issue NCCL operations in parallel to independent communicators
-// located on the same device". Every communicator of a device (HYBRID_SHARD has three) issues,
-// aborts, finalizes and destroys under that device's mutex, always taken after its own state's,
-// and held for one call, never across a poll.
-std::mutex& deviceMutex(int device) {
+std::mutex& ncclDeviceMutex(int device) {
   static std::mutex guard;
   static std::map<int, std::unique_ptr<std::mutex>> perDevice;
   std::scoped_lock lock(guard);
@@ -28,6 +22,10 @@ std::mutex& deviceMutex(int device) {
   if (!m) m = std::make_unique<std::mutex>();
   return *m;
 }
+
+namespace {
+
+constexpr auto kPoll = std::chrono::milliseconds(1);
 
 // Makes `device` the calling thread's current device for the guard's lifetime: events, streams
 // and the legacy default stream belong to the current device of the thread that uses them.
@@ -157,7 +155,8 @@ struct QueueState {
   std::mutex mutex;
   std::condition_variable changed;  // an operation was queued, finished or failed; abort; stop
   // Guarded by mutex.
-  NcclComm comm;  // nullptr once aborted or closed
+  NcclComm comm;  // nullptr once aborted, revoked or closed
+  NcclComm revoked = nullptr;  // revoked by abort(), until takeRevoked() or the close
   std::deque<std::shared_ptr<Operation>> inFlight;
   std::string error;  // the first failure; every later operation throws it
   bool aborted = false;  // the failure is an abort (Communicator::abort): CommAborted
@@ -187,7 +186,7 @@ struct QueueState {
   // Caller holds `mutex`, `error` is set, and the calling thread's device is options.device.
   void abortLocked(Released& released) {
     if (comm != nullptr) {
-      std::scoped_lock issue(deviceMutex(options.device));
+      std::scoped_lock issue(ncclDeviceMutex(options.device));
       api->commAbort(comm);
       comm = nullptr;
     }
@@ -325,11 +324,11 @@ NcclQueue::~NcclQueue() {
     state_->comm = nullptr;
     ApiResult result;
     {
-      std::scoped_lock issue(deviceMutex(options_.device));
+      std::scoped_lock issue(ncclDeviceMutex(options_.device));
       result = api_->commFinalize(comm);
     }
     result = settle(*api_, comm, result, deadline);
-    std::scoped_lock issue(deviceMutex(options_.device));
+    std::scoped_lock issue(ncclDeviceMutex(options_.device));
     if (result.isDone()) {
       api_->commDestroy(comm);
     } else {
@@ -338,7 +337,16 @@ NcclQueue::~NcclQueue() {
       api_->commAbort(comm);
     }
   }
+  if (state_->revoked != nullptr) {  // not taken for a shrink
+    std::scoped_lock issue(ncclDeviceMutex(options_.device));
+    api_->commAbort(std::exchange(state_->revoked, nullptr));
+  }
   api_->destroyStream(stream_);
+}
+
+NcclComm NcclQueue::takeRevoked() {
+  std::scoped_lock lock(state_->mutex);
+  return std::exchange(state_->revoked, nullptr);
 }
 
 Work NcclQueue::launch(const std::string& op, std::vector<at::Tensor> tensors, const Issue& issue,
@@ -391,7 +399,7 @@ Work NcclQueue::launch(const std::string& op, std::vector<at::Tensor> tensors, c
   {
     std::scoped_lock lock(state_->mutex);
     if (auto refusal = state_->refusalLocked(op); !refusal.empty()) state_->throwLocked(refusal);
-    std::scoped_lock device(deviceMutex(options_.device));
+    std::scoped_lock device(ncclDeviceMutex(options_.device));
     result = issue(state_->comm, stream_);
   }
   // A non-blocking enqueue may still be settling. Poll it with no lock held across the wait; an
@@ -452,15 +460,39 @@ Work NcclQueue::launch(const std::string& op, std::vector<at::Tensor> tensors, c
 bool NcclQueue::abort(const std::string& why) {
   const DeviceGuard onDevice(*api_, options_.device);
   Released released;
+  NcclComm revoking = nullptr;
+  ApiResult revoke;
   {
     std::scoped_lock lock(state_->mutex);
     if (state_->error.empty()) {
       state_->aborted = true;
       state_->error = state_->where("abort") + ": the communicator was aborted: " + why;
+      if (state_->comm != nullptr && api_->canShrink()) {
+        std::scoped_lock issue(ncclDeviceMutex(options_.device));
+        revoke = api_->commRevoke(state_->comm);
+        if (revoke.isFailed()) {
+          log::warn("{}: ncclCommRevoke: {}; aborting instead", state_->where("abort"), revoke.cause);
+        } else {
+          revoking = std::exchange(state_->comm, nullptr);
+        }
+      }
     }
-    state_->abortLocked(released);
+    state_->abortLocked(released);  // the pending operations fail; a revoked communicator is kept
   }
   released.clear();
+  if (revoking != nullptr) {
+    revoke = settle(*api_, revoking, revoke, Deadline::after(std::min(options_.timeout, kRevokeBound)));
+    std::scoped_lock lock(state_->mutex);
+    if (revoke.isDone()) {
+      state_->revoked = revoking;
+    } else {
+      log::warn("{}: ncclCommRevoke {}; aborting instead", state_->where("abort"),
+                revoke.isPending() ? "did not settle within " + std::to_string(kRevokeBound.count()) + " ms"
+                                   : revoke.cause);
+      std::scoped_lock issue(ncclDeviceMutex(options_.device));
+      api_->commAbort(revoking);
+    }
+  }
   // What the kernels left on the communication stream: an error here is sticky (the device is
   // unusable in this process).
   if (const auto r = api_->synchronizeStream(stream_); !r.isDone()) {

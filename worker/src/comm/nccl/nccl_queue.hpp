@@ -78,7 +78,15 @@ class NcclQueue {
   // later one refused with fsdp::CommAborted naming `why`; then the communication stream is
   // synchronised, and false returned (with the error logged) when that fails: a sticky CUDA
   // error, which only a new process clears. Thread-safe.
+  // On a library that shrinks (NcclApi::canShrink), a communicator that had not failed is revoked
+  // instead (ncclCommRevoke: its kernels end as with an abort) and kept for takeRevoked(); a
+  // revoke that fails or does not settle within kRevokeBound is followed by the abort.
   bool abort(const std::string& why);
+
+  // After such a revoke: the communicator, now the caller's (to shrink, then abort); nullptr
+  // when there is none (no abort yet, an older library, a failure first). Untaken, the queue's
+  // destructor aborts it. Thread-safe.
+  NcclComm takeRevoked();
 
  private:
   std::shared_ptr<NcclApi> api_;
@@ -88,6 +96,16 @@ class NcclQueue {
   std::mutex issueMutex_;  // one launch at a time, in call order
   std::thread watchdog_;
 };
+
+// How long abort() waits for a revoke to settle (ncclCommRevoke ends the kernels, then waits for
+// the communicator's streams and proxy): past it the communicator is aborted instead.
+inline constexpr std::chrono::milliseconds kRevokeBound{30000};
+
+// NCCL: "it is not safe to issue NCCL operations in parallel to independent communicators
+// located on the same device". Every communicator of a device (HYBRID_SHARD has three) issues,
+// aborts, finalizes, revokes, shrinks and destroys under that device's mutex, always taken after
+// a queue's own state's, and held for one call, never across a poll.
+std::mutex& ncclDeviceMutex(int device);
 
 // Polls a non-blocking NCCL call (init, finalize) until it settled or `deadline` passed; returns
 // its result (pending: the deadline passed first). Holds no lock.
