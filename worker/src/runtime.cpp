@@ -214,8 +214,10 @@ std::unique_ptr<Runtime> init(const InitOptions& options) {
   // The agent's flight recorder, before anything else opens descriptors (a program that closed
   // it gets none, never someone else's descriptor).
   detail::FlightRecorder::process();
-  // Before a spare waits: a bad value stops every worker now, the spares' too.
+  // Before a spare waits: a bad value stops every worker now, the spares' too, on every backend
+  // (FSDP_NCCL_SHRINK is read where NCCL is built).
   detail::checkBlockEnvironment();
+  envFlag(processEnv(), "FSDP_NCCL_SHRINK", true);
   // A write to a peer that died (a lost node's Gloo pair, its snapshot keeper) fails with EPIPE
   // and is reported as an error, instead of killing this worker by SIGPIPE, as under Python
   // (which ignores it too). A handler the program installed stays.

@@ -60,6 +60,23 @@ TEST(EnvInt, NamesTheVariableWhenMalformedOrMissing) {
   EXPECT_THROW(requireEnvInt(env, "WORLD_SIZE"), ConfigError);
 }
 
+TEST(EnvFlag, TakesZeroOrOneAndNamesAnythingElse) {
+  const auto env = mapEnv({{"ON", "1"}, {"OFF", "0"}, {"BAD", "yes"}, {"TWO", "2"}, {"EMPTY", ""}});
+  EXPECT_TRUE(envFlag(env, "ON", false));
+  EXPECT_FALSE(envFlag(env, "OFF", true));
+  EXPECT_TRUE(envFlag(env, "UNSET", true));
+  EXPECT_FALSE(envFlag(env, "UNSET", false));
+  for (const char* name : {"BAD", "TWO", "EMPTY"}) {
+    try {
+      envFlag(env, name, false);
+      FAIL() << name;
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string(name) + "='"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("expected 0 or 1"), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(Signals, NamesAndParses) {
   EXPECT_EQ(signalName(SIGTERM), "SIGTERM");
   EXPECT_EQ(parseSignal("SIGUSR1"), SIGUSR1);
