@@ -20,8 +20,21 @@
 #include <vector>
 
 #include "comm/nccl/nccl_api.hpp"
+#include "fsdp/common/error.hpp"
 
 namespace fsdp::testing {
+
+// How a wait on an operation ended: "no error", "CommAborted" (an abort), or "another error: …".
+inline std::string waitOutcome(const fsdp::worker::Work& work) {
+  try {
+    work.wait();
+    return "no error";
+  } catch (const fsdp::CommAborted&) {
+    return "CommAborted";
+  } catch (const std::exception& e) {
+    return std::string("another error: ") + e.what();
+  }
+}
 
 namespace fd = fsdp::worker::detail;
 

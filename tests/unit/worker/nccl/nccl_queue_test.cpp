@@ -293,16 +293,7 @@ TEST(NcclQueue, AnAbortWakesTheWaiterWithCommAbortedAndTheNextCommunicatorStepsA
   int synchronized = 0;
   fake->onSynchronize([&](fd::CudaStream s) { synchronized += s == rig.stream; });
   auto work = rig.launch({at::ones({4})}, fd::WaitMode::kHost);  // never reached: in flight
-  auto waiter = std::async(std::launch::async, [&]() -> std::string {
-    try {
-      work.wait();
-      return "no error";
-    } catch (const fsdp::CommAborted&) {
-      return "CommAborted";
-    } catch (const std::exception& e) {
-      return std::string("another error: ") + e.what();
-    }
-  });
+  auto waiter = std::async(std::launch::async, [&] { return fsdp::testing::waitOutcome(work); });
   EXPECT_TRUE(rig.queue->abort("rank 1 failed (test)"));
   ASSERT_EQ(waiter.wait_for(kBound), std::future_status::ready);
   EXPECT_EQ(waiter.get(), "CommAborted");

@@ -26,6 +26,7 @@ using namespace std::chrono_literals;
 namespace fd = fsdp::worker::detail;
 namespace rdzv = fsdp::rendezvous;
 using fsdp::testing::FakeNcclApi;
+using fsdp::testing::waitOutcome;
 
 constexpr auto kShrinkBound = 30s;
 
@@ -39,17 +40,6 @@ fsdp::worker::Work launch(fd::NcclQueue& queue, const std::shared_ptr<FakeNcclAp
   return queue.launch("allReduce", {at::ones({4})}, [f = fake](fd::NcclComm c, fd::CudaStream s) {
     return f->allReduce(nullptr, nullptr, 1, at::kFloat, fsdp::worker::ReduceOp::kSum, c, s);
   }, fd::WaitMode::kHost);
-}
-
-std::string waitOutcome(fsdp::worker::Work& work) {
-  try {
-    work.wait();
-    return "no error";
-  } catch (const fsdp::CommAborted&) {
-    return "CommAborted";
-  } catch (const std::exception& e) {
-    return std::string("another error: ") + e.what();
-  }
 }
 
 }  // namespace

@@ -481,13 +481,14 @@ bool NcclQueue::abort(const std::string& why) {
   }
   released.clear();
   if (revoking != nullptr) {
-    revoke = settle(*api_, revoking, revoke, Deadline::after(std::min(options_.timeout, kRevokeBound)));
+    const auto bound = std::min(options_.timeout, kRevokeBound);
+    revoke = settle(*api_, revoking, revoke, Deadline::after(bound));
     std::scoped_lock lock(state_->mutex);
     if (revoke.isDone()) {
       state_->revoked = revoking;
     } else {
       log::warn("{}: ncclCommRevoke {}; aborting instead", state_->where("abort"),
-                revoke.isPending() ? "did not settle within " + std::to_string(kRevokeBound.count()) + " ms"
+                revoke.isPending() ? "did not settle within " + std::to_string(bound.count()) + " ms"
                                    : revoke.cause);
       std::scoped_lock issue(ncclDeviceMutex(options_.device));
       api_->commAbort(revoking);
