@@ -14,10 +14,6 @@
 namespace fsdp::worker::detail {
 namespace {
 
-std::string joinPath(const std::string& prefix, const std::string& name) {
-  return prefix.empty() ? name : prefix + "." + name;
-}
-
 std::int64_t ownParams(const torch::nn::Module& module) {
   std::int64_t n = 0;
   for (const auto& p : module.parameters(/*recurse=*/false)) n += p.numel();

@@ -34,10 +34,6 @@ class GradientHook : public torch::autograd::FunctionPostHook {
   int unit_, flat_, slot_;
 };
 
-std::string joinPath(const std::string& prefix, const std::string& name) {
-  return prefix.empty() ? name : prefix + "." + name;
-}
-
 std::string shapeText(at::IntArrayRef shape) {
   std::ostringstream out;
   out << shape;
@@ -45,6 +41,10 @@ std::string shapeText(at::IntArrayRef shape) {
 }
 
 }  // namespace
+
+std::string joinPath(const std::string& prefix, const std::string& name) {
+  return prefix.empty() ? name : prefix + "." + name;
+}
 
 std::string shortTypeName(std::string name) {
   if (const auto colon = name.rfind("::"); colon != std::string::npos) name = name.substr(colon + 2);

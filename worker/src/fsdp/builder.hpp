@@ -81,5 +81,7 @@ class FsdpBuilder {
 
 // "fsdp::examples::BlockImpl" -> "Block".
 std::string shortTypeName(std::string name);
+// A module's dotted path: "" + "0" -> "0", "0" + "fc" -> "0.fc".
+std::string joinPath(const std::string& prefix, const std::string& name);
 
 }  // namespace fsdp::worker::detail

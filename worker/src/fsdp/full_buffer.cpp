@@ -5,6 +5,7 @@
 #include <ATen/Functions.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/StorageImpl.h>
+#include <torch/version.h>
 
 #include <pthread.h>
 #include <sched.h>
@@ -213,11 +214,19 @@ at::DataPtr allocateBlock(std::size_t nbytes, at::Device device) {
 // warmed memory serves them. Smaller ones go to the allocator it replaced. LibTorch also
 // allocates raw (oneDNN's buffers) and frees such memory through raw_deleter(), one function for
 // every size: the blocks it hands out are kept in a set, which that function looks up.
+// LibTorch 2.3 made Allocator::allocate non-const and copy_data pure virtual.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
+#define FSDP_ALLOCATE_CONST
+#define FSDP_ALLOCATOR_COPY_DATA 1
+#else
+#define FSDP_ALLOCATE_CONST const
+#define FSDP_ALLOCATOR_COPY_DATA 0
+#endif
 class BlockAllocator final : public c10::Allocator {
  public:
   explicit BlockAllocator(c10::Allocator* original) : original_(original) {}
 
-  at::DataPtr allocate(std::size_t nbytes) const override {
+  at::DataPtr allocate(std::size_t nbytes) FSDP_ALLOCATE_CONST override {
     if (nbytes < kMapThreshold) return original_->allocate(nbytes);
     at::DataPtr block = mapBlock(nbytes, at::Device(at::kCPU));
     // The data is its own context (raw_allocate's rule); the header sits just before it.
@@ -229,6 +238,11 @@ class BlockAllocator final : public c10::Allocator {
     return at::DataPtr(data, data, &freeBlock, at::Device(at::kCPU));
   }
   c10::DeleterFnPtr raw_deleter() const override { return &freeRaw; }
+#if FSDP_ALLOCATOR_COPY_DATA
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+#endif
 
   static BlockAllocator*& instance() {
     static BlockAllocator* self = nullptr;
@@ -262,6 +276,8 @@ class BlockAllocator final : public c10::Allocator {
   mutable std::mutex mutex_;
   mutable std::unordered_set<void*> live_;
 };
+#undef FSDP_ALLOCATE_CONST
+#undef FSDP_ALLOCATOR_COPY_DATA
 
 // Once per process; never destroyed: tensors it made may be freed during exit.
 void installCpuBlockAllocator() {
