@@ -13,11 +13,14 @@
 #include <torch/nn.h>
 #include <torch/optim.h>
 
+#include <cmath>
 #include <future>
 #include <iostream>
 #include <sstream>
 
 #include "comm/nccl/nccl_bootstrap.hpp"
+#include "comm/nccl/staged_communicator.hpp"
+#include "communicator_checks.hpp"
 #include "fsdp/common/error.hpp"
 #include "fsdp/rendezvous/store_server.hpp"
 #include "fsdp/worker/fsdp.hpp"
@@ -116,8 +119,10 @@ TEST(GpuNccl, EveryCollectiveMatchesGloo) {
           EXPECT_TRUE(at::allclose(gpu.cpu(), cpu, 1e-5, 1e-6))
               << "allReduce chunk " << chunk << " " << dtype << " op " << static_cast<int>(op)
               << " world " << g.world << ": " << differences(gpu.cpu(), cpu, mine, g.world);
-          auto cpuOut = at::empty({chunk}, mine.options());
-          auto gpuOut = at::empty({chunk}, mine.options().device(g.device));
+          // Outputs start as NaN: an element NCCL never wrote fails every time, not only where
+          // the allocator handed back memory that did not happen to hold the answer.
+          auto cpuOut = at::full({chunk}, NAN, mine.options());
+          auto gpuOut = at::full({chunk}, NAN, mine.options().device(g.device));
           g.gloo.reduceScatter(mine, cpuOut, op).wait();
           g.nccl.reduceScatter(onDevice(mine), gpuOut, op).wait();
           EXPECT_TRUE(at::allclose(gpuOut.cpu(), cpuOut, 1e-5, 1e-6))
@@ -125,8 +130,8 @@ TEST(GpuNccl, EveryCollectiveMatchesGloo) {
               << " world " << g.world << ": " << differences(gpuOut.cpu(), cpuOut, mine, g.world);
         }
         const auto part = mine.slice(0, 0, chunk).contiguous();
-        auto cpuAll = at::empty({chunk * g.world}, mine.options());
-        auto gpuAll = at::empty({chunk * g.world}, mine.options().device(g.device));
+        auto cpuAll = at::full({chunk * g.world}, NAN, mine.options());
+        auto gpuAll = at::full({chunk * g.world}, NAN, mine.options().device(g.device));
         g.gloo.allGather(part, cpuAll).wait();
         g.nccl.allGather(onDevice(part), gpuAll).wait();
         EXPECT_TRUE(at::equal(gpuAll.cpu(), cpuAll)) << "allGather chunk " << chunk;
@@ -251,6 +256,30 @@ TEST(GpuNccl, ARevokedCommunicatorIsShrunkToTheSurvivorsOrGivesWayToANewId) {
     }));
   }
   for (auto& f : ranks) EXPECT_EQ(f.get(), "");
+}
+
+// The CPU world of a job over several nodes without Gloo (fsdp::init() under NCCL where LibTorch
+// has its own Gloo): CPU tensors staged through a second NCCL communicator. Every operation,
+// dtype and uneven size equals the local result.
+TEST(GpuNccl, CpuTensorsStagedThroughNcclEqualTheLocalResult) {
+  SKIP_WITHOUT_GPU();
+  const int world = std::min(fw::cudaDeviceCount(), 4);
+  fsdp::rendezvous::StoreServer server(fsdp::rendezvous::ServerOptions{});
+  std::vector<std::future<void>> ranks;
+  for (int r = 0; r < world; ++r) {
+    ranks.push_back(std::async(std::launch::async, [&, r] {
+      const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(r));
+      const c10::DeviceGuard guard(device);
+      auto store = fsdp::rendezvous::StoreClient::connect("127.0.0.1", server.port(), {.timeout = 60s});
+      auto cpu = fw::detail::makeStagedCommunicator(fw::createNcclCommunicator(
+          *store, {.rank = r, .size = world, .device = r, .storePrefix = "nccl/cpu", .timeout = 60s}));
+      EXPECT_EQ(cpu->deviceType(), c10::DeviceType::CPU);
+      fsdp::testing::checkEveryOperation(*cpu, r, world, /*oneRounding=*/world == 1);
+      cpu->barrier().wait();
+    }));
+  }
+  for (auto& f : ranks) f.wait();
+  for (auto& f : ranks) f.get();
 }
 
 // A small model trained for 3 steps with FSDP over NCCL must equal one process on the global

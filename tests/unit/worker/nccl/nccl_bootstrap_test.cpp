@@ -155,6 +155,21 @@ TEST(NcclCommunicatorOverFakes, ABarrierRunsAndTheCloseFinalizesAndFreesEverythi
   EXPECT_EQ(c.callsAfterAbort, 0);
 }
 
+// NCCL up to 2.28 leaves the tail of an average at one rank unwritten (nccl_api.hpp): there the
+// communicator asks for a sum, the same bits; every other reduction, and an average of two ranks
+// or more, goes to NCCL as asked.
+TEST(NcclReduction, AnAverageAtOneRankIsASumAndEverythingElseIsAsAsked) {
+  using fsdp::worker::ReduceOp;
+  EXPECT_EQ(fd::ncclReduction(ReduceOp::kAverage, 1), ReduceOp::kSum);
+  for (const int world : {1, 2, 3, 8}) {
+    EXPECT_EQ(fd::ncclReduction(ReduceOp::kSum, world), ReduceOp::kSum) << world;
+    EXPECT_EQ(fd::ncclReduction(ReduceOp::kMax, world), ReduceOp::kMax) << world;
+    if (world > 1) {
+      EXPECT_EQ(fd::ncclReduction(ReduceOp::kAverage, world), ReduceOp::kAverage) << world;
+    }
+  }
+}
+
 TEST(NcclCommunicatorOverFakes, ADeviceThatIsNotVisibleIsAConfigErrorBeforeTheStore) {
   Store store;
   auto fake = std::make_shared<FakeNcclApi>();

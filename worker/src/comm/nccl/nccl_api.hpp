@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "fsdp/common/deadline.hpp"
 #include "fsdp/worker/communicator.hpp"
 
 namespace fsdp::worker::detail {
@@ -106,9 +107,11 @@ class NcclApi {
   // for a shrink; pending until it is quiescent (commAsyncError() says when).
   virtual ApiResult commRevoke(NcclComm comm) = 0;
   // ncclCommShrink (non-blocking, the parent's configuration): every rank not in `exclude` calls
-  // it with the same list; the new communicator numbers them in their old order. Pending until
-  // it settled, as an init.
-  virtual Made<NcclComm> commShrink(NcclComm parent, const std::vector<int>& exclude) = 0;
+  // it with the same list; the new communicator numbers them in their old order. NCCL runs it as
+  // a job of the parent and hands the new communicator out only when that job ends: the call
+  // waits for it, until `deadline` (pending then, with no communicator: the caller aborts the
+  // parent, which ends the job). Failed with a communicator: abort it.
+  virtual Made<NcclComm> commShrink(NcclComm parent, const std::vector<int>& exclude, const Deadline& deadline) = 0;
   virtual ApiResult allReduce(const void* send, void* recv, std::size_t count, at::ScalarType type,
                               ReduceOp op, NcclComm comm, CudaStream stream) = 0;
   virtual ApiResult allGather(const void* send, void* recv, std::size_t countPerRank,
@@ -119,6 +122,15 @@ class NcclApi {
   virtual ApiResult broadcast(const void* send, void* recv, std::size_t count, at::ScalarType type,
                               int root, NcclComm comm, CudaStream stream) = 0;
 };
+
+// The reduction NCCL is asked for: `op`, except an average at one rank, which is a sum (the same
+// bits: the input itself). NCCL up to 2.28 computes an average at one rank with a kernel
+// (ncclAvg's pre-multiplied sum, src/device/onerank.cu) whose 32 blocks take count/32 elements
+// each, rounded down before it is aligned: where that is already aligned, the last count % 32
+// elements are never written. Seen on an H200 with NCCL 2.28.9: a reduce-scatter of 262,147 floats
+// (FSDP's gradient average at world size 1) left its last 3 uninitialised; NCCL 2.29 rounds up.
+// A sum at one rank is a plain copy in NCCL.
+ReduceOp ncclReduction(ReduceOp op, int worldSize);
 
 // The real one, over cudart and NCCL (nccl_cuda_api.cpp). Throws ConfigError in a build
 // without NCCL.

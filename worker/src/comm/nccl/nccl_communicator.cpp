@@ -58,7 +58,7 @@ class NcclCommunicator final : public Communicator {
     check(tensor, "allReduce");
     return queue_->launch("allReduce", {tensor}, [&](NcclComm comm, CudaStream stream) {
       return api_->allReduce(tensor.data_ptr(), tensor.data_ptr(), count(tensor),
-                             tensor.scalar_type(), op, comm, stream);
+                             tensor.scalar_type(), ncclReduction(op, size()), comm, stream);
     });
   }
 
@@ -88,7 +88,7 @@ class NcclCommunicator final : public Communicator {
     }
     return queue_->launch("reduceScatter", {input, output}, [&](NcclComm comm, CudaStream stream) {
       return api_->reduceScatter(input.data_ptr(), output.data_ptr(), count(output),
-                                 input.scalar_type(), op, comm, stream);
+                                 input.scalar_type(), ncclReduction(op, size()), comm, stream);
     });
   }
 
@@ -145,6 +145,10 @@ class NcclCommunicator final : public Communicator {
 };
 
 }  // namespace
+
+ReduceOp ncclReduction(ReduceOp op, int worldSize) {
+  return worldSize == 1 && op == ReduceOp::kAverage ? ReduceOp::kSum : op;
+}
 
 std::unique_ptr<NcclParent> takeNcclParent(Communicator& comm) {
   auto* nccl = dynamic_cast<NcclCommunicator*>(&unrecorded(comm));
