@@ -1,5 +1,6 @@
 #include "fsdp/worker/runtime.hpp"
 
+#include "comm/nccl/staged_communicator.hpp"
 #include "comm/recorded_communicator.hpp"
 #include "fsdp/full_buffer.hpp"
 #include "reform/control.hpp"
@@ -318,7 +319,9 @@ Communicators buildCommunicators(const WorkerEnv& env, rendezvous::StoreClient& 
   }
   if (shm) return {std::move(shm), nullptr, Backend::kShm, choice.reason};
   // The CPU world: Gloo; in a build without Gloo (LibTorch has its own copy), shared memory,
-  // which reaches the ranks of one node only.
+  // which reaches the ranks of one node only, and across nodes under NCCL a second NCCL
+  // communicator that CPU tensors are staged through.
+  const bool stagedCpu = !glooAvailable() && !oneNode && choice.backend == Backend::kNccl;
   std::unique_ptr<Communicator> gloo;
   if (glooAvailable()) {
     gloo = createGlooCommunicator(*store, {.rank = env.rank,
@@ -328,21 +331,26 @@ Communicators buildCommunicators(const WorkerEnv& env, rendezvous::StoreClient& 
                                            .timeout = options.timeout});
   } else if (oneNode) {
     gloo = worldShm("shm/cpu");
-  } else {
+  } else if (!stagedCpu) {
     throw ConfigError(std::string("fsdp::init: ") + std::to_string(env.worldSize / env.localWorldSize) +
                       " nodes need CPU collectives across nodes, and this libfsdp has no Gloo: " +
-                      glooUnavailableReason());
+                      glooUnavailableReason() + " (under NCCL they go through the GPUs)");
   }
   if (choice.backend == Backend::kNccl) {
+    const auto ncclOptions = [&](const std::string& prefix) {
+      return NcclOptions{.rank = env.rank,
+                         .size = env.worldSize,
+                         .device = choice.device,
+                         .storePrefix = round + prefix,
+                         .timeout = options.timeout};
+    };
     // A round after the first may shrink the last one's communicator (its ranks say what they hold).
-    auto nccl = createNcclCommunicator(*store,
-                                       {.rank = env.rank,
-                                        .size = env.worldSize,
-                                        .device = choice.device,
-                                        .storePrefix = round + "nccl/world",
-                                        .timeout = options.timeout},
-                                       cudaNcclApi(), Deadline::after(options.timeout), std::move(ncclParent),
-                                       env.round > 0);
+    auto nccl = createNcclCommunicator(*store, ncclOptions("nccl/world"), cudaNcclApi(),
+                                       Deadline::after(options.timeout), std::move(ncclParent), env.round > 0);
+    if (stagedCpu) {
+      gloo = makeStagedCommunicator(createNcclCommunicator(*store, ncclOptions("nccl/cpu"), cudaNcclApi(),
+                                                           Deadline::after(options.timeout)));
+    }
     return {std::move(nccl), std::move(gloo), Backend::kNccl, choice.reason};
   }
   // kShm where ranks are not node-major (or one per node): Gloo for the world; HYBRID_SHARD's
