@@ -138,7 +138,6 @@ int run(const Flags& f) {
                                          .nEmbd = f.nEmbd};
   auto net = fsdp::examples::makeGpt(config);  // initialised on the CPU: the same on every device
   auto rt = fsdp::init();
-  const int rank = rt->rank(), world = rt->worldSize();
   fsdp::FsdpOptions options{.strategy = fsdp::worker::parseShardingStrategy(f.sharding),
                             .autoWrap = fsdp::AutoWrapPolicy::byTypeName({"Block"}),
                             .mixedPrecision = fsdp::MixedPrecision::parse(f.mixedPrecision),
@@ -151,7 +150,7 @@ int run(const Flags& f) {
   for (const auto& u : model->units()) numParams += u.numel;
   torch::optim::AdamW optimizer(model->parameters(),
                                 torch::optim::AdamWOptions(f.lr).weight_decay(0.01));
-  if (rank == 0) {
+  if (rt->rank() == 0) {
     std::printf("gpt: %lld parameters, %zu characters, %lld train tokens, unigram val loss %.4f\n",
                 static_cast<long long>(numParams), corpus.alphabet.size(),
                 static_cast<long long>(corpus.train.size(0)), corpus.unigramLoss);
@@ -182,21 +181,24 @@ int run(const Flags& f) {
                          .checkpointEvery = f.checkpointEvery,
                          .snapshotEvery = f.snapshotEvery});
   const auto result = trainer.fit(train, &val);
-  if (rank == 0) {
+  // Rank and world as they are now: a failure elsewhere may have re-formed this process into a
+  // smaller world, where it can be rank 0.
+  const bool first = rt->rank() == 0;
+  if (first) {
     std::printf("step %lld: val_loss %.4f (unigram baseline %.4f) val_accuracy %.4f\n",
                 static_cast<long long>(result.steps), result.eval.loss, corpus.unigramLoss, result.eval.accuracy);
     std::fflush(stdout);
   }
   const std::string text = f.sampleChars > 0 ? sample(model, corpus, f, *rt) : "";
   const std::string hash = fsdp::examples::paramsSha256(model);
-  if (rank == 0) {
+  if (first) {
     if (!text.empty()) std::printf("--- sample ---\n%s\n--- end of sample ---\n", text.c_str());
     std::cout << nlohmann::json{{"model", "gpt"},
                                 {"parameters", numParams},
                                 {"sharding", f.sharding},
                                 {"mixed_precision", f.mixedPrecision},
                                 {"activation_checkpointing", f.checkpointing},
-                                {"world_size", world},
+                                {"world_size", rt->worldSize()},
                                 {"device", rt->device().str()},
                                 {"backend", rt->comm().backendName()},
                                 {"steps", result.steps},
