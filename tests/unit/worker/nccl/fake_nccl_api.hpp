@@ -337,7 +337,7 @@ class FakeNcclApi final : public fd::NcclApi {
     changed_.notify_all();
     return Result::pending();  // as NCCL: in progress until quiescent
   }
-  fd::Made<Comm> commShrink(Comm parent, const std::vector<int>& exclude) override {
+  fd::Made<Comm> commShrink(Comm parent, const std::vector<int>& exclude, const fsdp::Deadline&) override {
     std::scoped_lock lock(mutex_);
     ++counts_.shrinks;
     auto& p = use(parent, true);

@@ -211,7 +211,7 @@ NcclComm joinNcclGroup(rendezvous::StoreClient& store, const NcclOptions& option
   const char* call = plan.shrinks() ? "ncclCommShrink" : "ncclCommInitRank";
   if (plan.shrinks()) {
     std::scoped_lock issue(ncclDeviceMutex(parent->device));
-    made = api.commShrink(parent->comm, plan.exclude);
+    made = api.commShrink(parent->comm, plan.exclude, deadline);
   } else {
     parent.reset();  // the last round's resources go before the new communicator's
     made = api.commInitRank(options.size, plan.uniqueId, options.rank);

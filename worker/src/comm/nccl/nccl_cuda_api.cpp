@@ -11,7 +11,9 @@
 #include <dlfcn.h>
 #include <nccl.h>
 
+#include <chrono>
 #include <cstring>
+#include <thread>
 
 #include "fsdp/common/env.hpp"
 
@@ -195,17 +197,32 @@ class CudaNcclApi final : public NcclApi {
     if (!canShrink()) return ApiResult::failed("ncclCommRevoke: not in this NCCL library");
     return nccl(shrinkCalls().revoke(asComm(comm), 0), asComm(comm));
   }
-  Made<NcclComm> commShrink(NcclComm parent, const std::vector<int>& exclude) override {
+  Made<NcclComm> commShrink(NcclComm parent, const std::vector<int>& exclude, const Deadline& deadline) override {
     if (!canShrink()) return {ApiResult::failed("ncclCommShrink: not in this NCCL library"), nullptr};
     // NCCL reads a null list as a split; the bootstrap shrinks only where a rank was lost.
     if (exclude.empty()) return {ApiResult::failed("ncclCommShrink: no rank to exclude"), nullptr};
     std::vector<int> list = exclude;
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
-    ncclComm_t comm = nullptr;
-    const auto result = shrinkCalls().shrink(asComm(parent), list.data(), static_cast<int>(exclude.size()), &comm,
-                                             &config, NCCL_SHRINK_ABORT);
-    return {nccl(result, comm != nullptr ? comm : asComm(parent)), comm};
+    // NCCL's job writes the new communicator through this pointer when it ends, after the call
+    // returned (a split's or shrink's child is null until then, unlike an init's): it must outlive
+    // the job. Where the job outlives the wait it is left to it (one pointer, never freed).
+    auto* slot = new ncclComm_t(nullptr);
+    auto result = nccl(shrinkCalls().shrink(asComm(parent), list.data(), static_cast<int>(list.size()), slot,
+                                            &config, NCCL_SHRINK_ABORT),
+                       asComm(parent));
+    // The job is the parent's: the parent's asynchronous error says when it ended.
+    while (result.isPending() && !deadline.expired()) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      result = commAsyncError(parent);
+    }
+    if (result.isPending()) return {result, nullptr};
+    const ncclComm_t child = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
+    delete slot;
+    if (result.isDone() && child == nullptr) {
+      return {ApiResult::failed("ncclCommShrink: ended without a communicator"), nullptr};
+    }
+    return {result, child};
   }
 
   ApiResult allReduce(const void* send, void* recv, std::size_t count, at::ScalarType type,
