@@ -110,7 +110,10 @@ class NcclApi {
   // it with the same list; the new communicator numbers them in their old order. NCCL runs it as
   // a job of the parent and hands the new communicator out only when that job ends: the call
   // waits for it, until `deadline` (pending then, with no communicator: the caller aborts the
-  // parent, which ends the job). Failed with a communicator: abort it.
+  // parent, which ends the job). Failed with a communicator: abort it. On an H200 with NCCL
+  // 2.28.9 (scripts/gpu-reform) a shrink was planned once and met the bug this wait fixes, and
+  // once not planned (a survivor's revoke failed: its peer's process was gone); one has not yet
+  // run to completion on a GPU.
   virtual Made<NcclComm> commShrink(NcclComm parent, const std::vector<int>& exclude, const Deadline& deadline) = 0;
   virtual ApiResult allReduce(const void* send, void* recv, std::size_t count, at::ScalarType type,
                               ReduceOp op, NcclComm comm, CudaStream stream) = 0;
