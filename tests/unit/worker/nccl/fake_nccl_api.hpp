@@ -122,6 +122,12 @@ class FakeNcclApi final : public fd::NcclApi {
     std::scoped_lock lock(mutex_);
     revokeHangs_ = true;
   }
+  // The shrink's job outlives the call's wait (NCCL's job still running at the deadline): the
+  // call answers pending, with no communicator, as the real one does then.
+  void setShrinkOutlivesTheWait(bool on) {
+    std::scoped_lock lock(mutex_);
+    shrinkOutlives_ = on;
+  }
   void setShrinkFails(std::string cause) {
     std::scoped_lock lock(mutex_);
     shrinkFails_ = std::move(cause);
@@ -344,6 +350,7 @@ class FakeNcclApi final : public fd::NcclApi {
     if (!p.revoked) ++counts_.callsAfterAbort;  // the parent is always revoked first
     shrinkLog_.emplace_back(parent, exclude);
     if (!shrinkFails_.empty()) return {Result::failed(shrinkFails_), nullptr};
+    if (shrinkOutlives_) return {Result::pending(), nullptr};
     const auto c = next_++;
     comms_[c];
     return {Result::done(), handle(c)};
@@ -427,6 +434,7 @@ class FakeNcclApi final : public fd::NcclApi {
   std::string revokeFails_;
   bool revokeHangs_ = false;
   std::string shrinkFails_;
+  bool shrinkOutlives_ = false;
   std::vector<std::pair<Comm, std::vector<int>>> shrinkLog_;
   std::function<void(Stream, Event)> onWait_;
   std::function<void(Stream)> onSync_;

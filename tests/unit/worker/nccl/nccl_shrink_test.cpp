@@ -307,6 +307,31 @@ TEST(NcclShrink, AShrinkThatFailsNamesTheCallAndTheRank) {
   EXPECT_TRUE(fake.isAborted(parent));
 }
 
+// A shrink whose NCCL job has not ended by the exchange's deadline (NCCL hands the new
+// communicator out only when its job ends): no communicator is used, the parent is aborted
+// (which ends the job), and the round fails with a TimeoutError naming the call and the rank.
+TEST(NcclShrink, AShrinkStillRunningAtTheDeadlineAbortsTheParentAndTimesOut) {
+  rdzv::StoreServer server{rdzv::ServerOptions{}};
+  FakeNcclApi fake;
+  fake.setShrinkSupported(true);
+  fake.setShrinkOutlivesTheWait(true);
+  const auto parent = fake.newComm();
+  fake.commRevoke(parent);
+  auto client = rdzv::StoreClient::connect("127.0.0.1", server.port(), {.timeout = kShrinkBound});
+  auto held = std::make_unique<fd::NcclParent>(std::shared_ptr<FakeNcclApi>(&fake, [](FakeNcclApi*) {}), parent, 0,
+                                               2, 0, "round/1/nccl/world");
+  try {
+    fd::joinNcclGroup(*client, {.rank = 0, .size = 1, .device = 0, .storePrefix = "round/2/nccl/world"}, fake,
+                      fsdp::Deadline::after(kShrinkBound), std::move(held), true);
+    FAIL() << "a shrink that never ended must not give a communicator";
+  } catch (const fsdp::TimeoutError& e) {
+    EXPECT_NE(std::string(e.what()).find("ncclCommShrink on rank 0 of 1 (cuda:0) did not finish"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_TRUE(fake.isAborted(parent));
+  EXPECT_EQ(fake.counts().inits, 0);
+}
+
 // The whole path over the fake, round after round: three ranks' communicators aborted by the
 // notice (revoked); rank 2 is lost, and ranks 0 and 1 take their parents from their
 // communicator objects and shrink them; their barrier runs; then rank 1 is lost and rank 0
