@@ -322,15 +322,15 @@ Communicators buildCommunicators(const WorkerEnv& env, rendezvous::StoreClient& 
   // which reaches the ranks of one node only, and across nodes under NCCL a second NCCL
   // communicator that CPU tensors are staged through.
   const bool stagedCpu = !glooAvailable() && !oneNode && choice.backend == Backend::kNccl;
-  std::unique_ptr<Communicator> gloo;
+  std::unique_ptr<Communicator> cpu;
   if (glooAvailable()) {
-    gloo = createGlooCommunicator(*store, {.rank = env.rank,
-                                           .size = env.worldSize,
-                                           .localAddress = env.localAddress,
-                                           .storePrefix = round + "gloo/world",
-                                           .timeout = options.timeout});
+    cpu = createGlooCommunicator(*store, {.rank = env.rank,
+                                          .size = env.worldSize,
+                                          .localAddress = env.localAddress,
+                                          .storePrefix = round + "gloo/world",
+                                          .timeout = options.timeout});
   } else if (oneNode) {
-    gloo = worldShm("shm/cpu");
+    cpu = worldShm("shm/cpu");
   } else if (!stagedCpu) {
     throw ConfigError(std::string("fsdp::init: ") + std::to_string(env.worldSize / env.localWorldSize) +
                       " nodes need CPU collectives across nodes, and this libfsdp has no Gloo: " +
@@ -348,14 +348,14 @@ Communicators buildCommunicators(const WorkerEnv& env, rendezvous::StoreClient& 
     auto nccl = createNcclCommunicator(*store, ncclOptions("nccl/world"), cudaNcclApi(),
                                        Deadline::after(options.timeout), std::move(ncclParent), env.round > 0);
     if (stagedCpu) {
-      gloo = makeStagedCommunicator(createNcclCommunicator(*store, ncclOptions("nccl/cpu"), cudaNcclApi(),
+      cpu = makeStagedCommunicator(createNcclCommunicator(*store, ncclOptions("nccl/cpu"), cudaNcclApi(),
                                                            Deadline::after(options.timeout)));
     }
-    return {std::move(nccl), std::move(gloo), Backend::kNccl, choice.reason};
+    return {std::move(nccl), std::move(cpu), Backend::kNccl, choice.reason};
   }
   // kShm where ranks are not node-major (or one per node): Gloo for the world; HYBRID_SHARD's
   // node groups still use shared memory.
-  return {std::move(gloo), nullptr, choice.backend, choice.reason};
+  return {std::move(cpu), nullptr, choice.backend, choice.reason};
 }
 
 }  // namespace detail

@@ -285,50 +285,61 @@ TEST(NcclShrink, GeneratedRoundsShrinkExactlyWhereEveryRankHoldsTheSameCommunica
   EXPECT_GT(shrunk, 0) << "the generator drew no round that shrinks";
 }
 
-// A shrink that fails names the call and the rank; the parent is aborted all the same.
-TEST(NcclShrink, AShrinkThatFailsNamesTheCallAndTheRank) {
+// Rank 0 of a world of 1, the survivor of a world of 2, joins the next round holding its revoked
+// communicator, which the plan shrinks. What the join threw (null when nothing), and the parent.
+namespace {
+struct SurvivorJoin {
+  std::exception_ptr thrown;
+  fd::NcclComm parent;
+};
+SurvivorJoin joinAsTheSurvivorOfTwo(FakeNcclApi& fake) {
   rdzv::StoreServer server{rdzv::ServerOptions{}};
-  FakeNcclApi fake;
-  fake.setShrinkSupported(true);
-  fake.setShrinkFails("invalid usage (fake)");
   const auto parent = fake.newComm();
   fake.commRevoke(parent);
   auto client = rdzv::StoreClient::connect("127.0.0.1", server.port(), {.timeout = kShrinkBound});
-  // Rank 0 of a world of 1, the survivor of a world of 2.
   auto held = std::make_unique<fd::NcclParent>(std::shared_ptr<FakeNcclApi>(&fake, [](FakeNcclApi*) {}), parent, 0,
                                                2, 0, "round/1/nccl/world");
   try {
     fd::joinNcclGroup(*client, {.rank = 0, .size = 1, .device = 0, .storePrefix = "round/2/nccl/world"}, fake,
                       fsdp::Deadline::after(kShrinkBound), std::move(held), true);
+    return {nullptr, parent};
+  } catch (...) {
+    return {std::current_exception(), parent};
+  }
+}
+}  // namespace
+
+// A shrink that fails names the call and the rank; the parent is aborted all the same.
+TEST(NcclShrink, AShrinkThatFailsNamesTheCallAndTheRank) {
+  FakeNcclApi fake;
+  fake.setShrinkSupported(true);
+  fake.setShrinkFails("invalid usage (fake)");
+  const auto join = joinAsTheSurvivorOfTwo(fake);
+  try {
+    if (join.thrown) std::rethrow_exception(join.thrown);
     FAIL() << "the shrink must fail";
   } catch (const fsdp::Error& e) {
     EXPECT_EQ(std::string(e.what()), "ncclCommShrink on rank 0 of 1 (cuda:0): invalid usage (fake)");
   }
-  EXPECT_TRUE(fake.isAborted(parent));
+  EXPECT_TRUE(fake.isAborted(join.parent));
 }
 
 // A shrink whose NCCL job has not ended by the exchange's deadline (NCCL hands the new
 // communicator out only when its job ends): no communicator is used, the parent is aborted
 // (which ends the job), and the round fails with a TimeoutError naming the call and the rank.
 TEST(NcclShrink, AShrinkStillRunningAtTheDeadlineAbortsTheParentAndTimesOut) {
-  rdzv::StoreServer server{rdzv::ServerOptions{}};
   FakeNcclApi fake;
   fake.setShrinkSupported(true);
   fake.setShrinkOutlivesTheWait(true);
-  const auto parent = fake.newComm();
-  fake.commRevoke(parent);
-  auto client = rdzv::StoreClient::connect("127.0.0.1", server.port(), {.timeout = kShrinkBound});
-  auto held = std::make_unique<fd::NcclParent>(std::shared_ptr<FakeNcclApi>(&fake, [](FakeNcclApi*) {}), parent, 0,
-                                               2, 0, "round/1/nccl/world");
+  const auto join = joinAsTheSurvivorOfTwo(fake);
   try {
-    fd::joinNcclGroup(*client, {.rank = 0, .size = 1, .device = 0, .storePrefix = "round/2/nccl/world"}, fake,
-                      fsdp::Deadline::after(kShrinkBound), std::move(held), true);
+    if (join.thrown) std::rethrow_exception(join.thrown);
     FAIL() << "a shrink that never ended must not give a communicator";
   } catch (const fsdp::TimeoutError& e) {
     EXPECT_NE(std::string(e.what()).find("ncclCommShrink on rank 0 of 1 (cuda:0) did not finish"), std::string::npos)
         << e.what();
   }
-  EXPECT_TRUE(fake.isAborted(parent));
+  EXPECT_TRUE(fake.isAborted(join.parent));
   EXPECT_EQ(fake.counts().inits, 0);
 }
 

@@ -4,6 +4,7 @@
 #include "fsdp/common/error.hpp"
 #include "fsdp/worker/nccl_communicator.hpp"
 #include "nccl_api.hpp"
+#include "nccl_queue.hpp"
 
 #if FSDP_HAVE_NCCL
 
@@ -11,9 +12,7 @@
 #include <dlfcn.h>
 #include <nccl.h>
 
-#include <chrono>
 #include <cstring>
-#include <thread>
 
 #include "fsdp/common/env.hpp"
 
@@ -212,10 +211,7 @@ class CudaNcclApi final : public NcclApi {
                                             &config, NCCL_SHRINK_ABORT),
                        asComm(parent));
     // The job is the parent's: the parent's asynchronous error says when it ended.
-    while (result.isPending() && !deadline.expired()) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      result = commAsyncError(parent);
-    }
+    result = settle(*this, parent, result, deadline);
     if (result.isPending()) return {result, nullptr};
     const ncclComm_t child = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
     delete slot;

@@ -3,6 +3,7 @@
 
 #include <ATen/Functions.h>
 
+#include <functional>
 #include <string>
 
 #include "fsdp/common/error.hpp"
@@ -22,21 +23,11 @@ class StagedCommunicator final : public Communicator {
   bool abort(const std::string& why) override { return device_->abort(why); }
 
   Work allReduce(at::Tensor tensor, ReduceOp op) override {
-    checkCpu(tensor, "allReduce");
-    return completedWork([&] {
-      auto staged = there(tensor);
-      device_->allReduce(staged, op).wait();
-      tensor.copy_(staged.view(tensor.sizes()));
-    });
+    return inPlace(tensor, "allReduce", [&](at::Tensor& staged) { return device_->allReduce(staged, op); });
   }
 
   Work broadcast(at::Tensor tensor, int root) override {
-    checkCpu(tensor, "broadcast");
-    return completedWork([&] {
-      auto staged = there(tensor);
-      device_->broadcast(staged, root).wait();
-      tensor.copy_(staged.view(tensor.sizes()));
-    });
+    return inPlace(tensor, "broadcast", [&](at::Tensor& staged) { return device_->broadcast(staged, root); });
   }
 
   Work barrier() override {
@@ -88,10 +79,15 @@ class StagedCommunicator final : public Communicator {
   }
 
  private:
-  // A contiguous copy on the device (a new tensor even where the device is the CPU: the caller's
-  // tensor is written only once the collective is done).
-  at::Tensor there(const at::Tensor& t) const {
-    return t.reshape({-1}).to(device_->device(), /*non_blocking=*/false, /*copy=*/true).contiguous();
+  // An in-place collective: `run` on a contiguous copy on the device (a new tensor even where the
+  // device is the CPU), the caller's tensor written only once it is done.
+  Work inPlace(at::Tensor& tensor, const char* op, const std::function<Work(at::Tensor&)>& run) {
+    checkCpu(tensor, op);
+    return completedWork([&] {
+      auto staged = tensor.reshape({-1}).to(device_->device(), /*non_blocking=*/false, /*copy=*/true).contiguous();
+      run(staged).wait();
+      tensor.copy_(staged.view(tensor.sizes()));
+    });
   }
   static void checkCpu(const at::Tensor& t, const char* op) {
     if (!t.defined()) throw Error(std::string(op) + ": undefined tensor");
