@@ -128,6 +128,16 @@ class FakeNcclApi final : public fd::NcclApi {
     std::scoped_lock lock(mutex_);
     shrinkOutlives_ = on;
   }
+  // commAsyncError answers pending for the next `polls` polls of `comm` (-1: for ever), as
+  // NCCL's parent does while a split's or shrink's job runs; asyncPollsLeft says how many are left.
+  void setAsyncPendingPolls(Comm comm, int polls) {
+    std::scoped_lock lock(mutex_);
+    use(comm, true).pendingPolls = polls;
+  }
+  int asyncPollsLeft(Comm comm) {
+    std::scoped_lock lock(mutex_);
+    return use(comm, true).pendingPolls;
+  }
   void setShrinkFails(std::string cause) {
     std::scoped_lock lock(mutex_);
     shrinkFails_ = std::move(cause);
@@ -292,6 +302,10 @@ class FakeNcclApi final : public fd::NcclApi {
   Result commAsyncError(Comm comm) override {
     std::scoped_lock lock(mutex_);
     auto& c = use(comm, true);
+    if (c.pendingPolls != 0) {
+      if (c.pendingPolls > 0) --c.pendingPolls;
+      return Result::pending();
+    }
     if (c.revoked) return revokeHangs_ ? Result::pending() : Result::done();
     if (!c.asyncError.empty()) return Result::failed(c.asyncError);
     if (c.initializing) {
@@ -385,6 +399,7 @@ class FakeNcclApi final : public fd::NcclApi {
     bool enqueuePending = false;
     bool finalizing = false;
     bool revoked = false;
+    int pendingPolls = 0;  // setAsyncPendingPolls
     std::string asyncError;
   };
 

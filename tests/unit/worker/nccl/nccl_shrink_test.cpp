@@ -403,3 +403,44 @@ TEST(NcclShrink, ACommunicatorShrinksRoundAfterRoundAsRanksAreLost) {
   EXPECT_EQ(c.aborts, 6) << "every revoked communicator aborted once, shrunk or not";
   EXPECT_EQ(c.callsAfterAbort, 0);
 }
+
+// NCCL 2.28.9's non-blocking ncclCommShrink returns ncclSuccess while the job that writes the new
+// communicator still runs; only the parent's asynchronous error says when it ended. On an H200 the
+// real call read the still-null child at once, freed the pointer NCCL then wrote through, and the
+// survivors died of a corrupt heap (scripts/gpu-reform, 2026-11-30). awaitChild (what the real call
+// uses) polls the parent whatever the call returned and reads the child only after.
+TEST(NcclShrink, AChildIsReadOnlyAfterTheParentSaysItsJobEndedWhateverTheCallReturned) {
+  auto fake = std::make_shared<FakeNcclApi>();
+  const auto parent = fake->newComm();
+  const auto written = fake->newComm();  // what the job writes when it ends
+  // The job's end: the pointer is written before the parent stops answering "in progress".
+  const auto child = [&] { return fake->asyncPollsLeft(parent) == 0 ? written : nullptr; };
+  for (const auto& called : {fd::ApiResult::done(), fd::ApiResult::pending()}) {
+    fake->setAsyncPendingPolls(parent, 3);
+    const auto made = fd::awaitChild(*fake, "ncclCommShrink", parent, called, child, fsdp::Deadline::after(kShrinkBound));
+    EXPECT_TRUE(made.result.isDone()) << made.result.cause;
+    EXPECT_EQ(made.handle, written);
+    EXPECT_EQ(fake->asyncPollsLeft(parent), 0);
+  }
+  // A job still running at the deadline: pending, and the pointer not read (the job owns it).
+  fake->setAsyncPendingPolls(parent, -1);
+  bool read = false;
+  const auto unread = fd::awaitChild(*fake, "ncclCommShrink", parent, fd::ApiResult::done(),
+                                     [&] { read = true; return written; }, fsdp::Deadline::after(50ms));
+  EXPECT_TRUE(unread.result.isPending());
+  EXPECT_EQ(unread.handle, nullptr);
+  EXPECT_FALSE(read);
+  // A job that ended with no communicator is a failure naming the call; a call that failed
+  // started no job: nothing is polled.
+  fake->setAsyncPendingPolls(parent, 0);
+  const auto none = fd::awaitChild(*fake, "ncclCommShrink", parent, fd::ApiResult::done(), [] { return fd::NcclComm{}; },
+                                   fsdp::Deadline::after(kShrinkBound));
+  EXPECT_TRUE(none.result.isFailed());
+  EXPECT_NE(none.result.cause.find("ncclCommShrink"), std::string::npos) << none.result.cause;
+  fake->setAsyncPendingPolls(parent, 2);
+  const auto refused = fd::awaitChild(*fake, "ncclCommShrink", parent, fd::ApiResult::failed("invalid argument"), child,
+                                      fsdp::Deadline::after(kShrinkBound));
+  EXPECT_TRUE(refused.result.isFailed());
+  EXPECT_EQ(refused.result.cause, "invalid argument");
+  EXPECT_EQ(fake->asyncPollsLeft(parent), 2);
+}

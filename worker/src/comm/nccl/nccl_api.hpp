@@ -110,10 +110,10 @@ class NcclApi {
   // it with the same list; the new communicator numbers them in their old order. NCCL runs it as
   // a job of the parent and hands the new communicator out only when that job ends: the call
   // waits for it, until `deadline` (pending then, with no communicator: the caller aborts the
-  // parent, which ends the job). Failed with a communicator: abort it. On an H200 with NCCL
-  // 2.28.9 (scripts/gpu-reform) a shrink was planned once and met the bug this wait fixes, and
-  // once not planned (a survivor's revoke failed: its peer's process was gone); one has not yet
-  // run to completion on a GPU.
+  // parent, which ends the job). Failed with a communicator: abort it. The wait is awaitChild's
+  // (nccl_queue.hpp): NCCL 2.28.9's call returns ncclSuccess with its job still running, and on an
+  // H200 (scripts/gpu-reform, 2026-11-30) reading the child then, and freeing the pointer its job
+  // later wrote through, corrupted the survivors' heap in 3 of 3 planned shrinks.
   virtual Made<NcclComm> commShrink(NcclComm parent, const std::vector<int>& exclude, const Deadline& deadline) = 0;
   virtual ApiResult allReduce(const void* send, void* recv, std::size_t count, at::ScalarType type,
                               ReduceOp op, NcclComm comm, CudaStream stream) = 0;

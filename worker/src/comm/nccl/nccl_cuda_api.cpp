@@ -207,18 +207,13 @@ class CudaNcclApi final : public NcclApi {
     // returned (a split's or shrink's child is null until then, unlike an init's): it must outlive
     // the job. Where the job outlives the wait it is left to it (one pointer, never freed).
     auto* slot = new ncclComm_t(nullptr);
-    auto result = nccl(shrinkCalls().shrink(asComm(parent), list.data(), static_cast<int>(list.size()), slot,
-                                            &config, NCCL_SHRINK_ABORT),
-                       asComm(parent));
-    // The job is the parent's: the parent's asynchronous error says when it ended.
-    result = settle(*this, parent, result, deadline);
-    if (result.isPending()) return {result, nullptr};
-    const ncclComm_t child = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
-    delete slot;
-    if (result.isDone() && child == nullptr) {
-      return {ApiResult::failed("ncclCommShrink: ended without a communicator"), nullptr};
-    }
-    return {result, child};
+    const auto called = nccl(shrinkCalls().shrink(asComm(parent), list.data(), static_cast<int>(list.size()), slot,
+                                                  &config, NCCL_SHRINK_ABORT),
+                             asComm(parent));
+    auto made = awaitChild(*this, "ncclCommShrink", parent, called,
+                           [slot] { return static_cast<NcclComm>(__atomic_load_n(slot, __ATOMIC_ACQUIRE)); }, deadline);
+    if (!made.result.isPending()) delete slot;
+    return made;
   }
 
   ApiResult allReduce(const void* send, void* recv, std::size_t count, at::ScalarType type,

@@ -279,6 +279,16 @@ ApiResult settle(NcclApi& api, NcclComm comm, ApiResult result, const Deadline& 
   return result;
 }
 
+Made<NcclComm> awaitChild(NcclApi& api, const std::string& call, NcclComm parent, ApiResult called,
+                          const std::function<NcclComm()>& child, const Deadline& deadline) {
+  if (called.isFailed()) return {called, nullptr};
+  const auto result = settle(api, parent, api.commAsyncError(parent), deadline);
+  if (result.isPending()) return {result, nullptr};
+  const NcclComm made = child();
+  if (result.isDone() && made == nullptr) return {ApiResult::failed(call + ": its job ended without a communicator"), nullptr};
+  return {result, made};
+}
+
 NcclQueue::NcclQueue(std::shared_ptr<NcclApi> api, NcclComm comm, CudaStream stream,
                      NcclQueueOptions options)
     : api_(api),

@@ -111,4 +111,14 @@ std::mutex& ncclDeviceMutex(int device);
 // its result (pending: the deadline passed first). Holds no lock.
 ApiResult settle(NcclApi& api, NcclComm comm, ApiResult result, const Deadline& deadline);
 
+// The end of a non-blocking ncclCommShrink (or split): the call starts a job of the parent that
+// writes the new communicator through the pointer it was given when it ends, and what the call
+// returns does not say when that is: NCCL 2.28.9's returns ncclSuccess with the job still running
+// (an init's returns ncclInProgress). The parent's asynchronous error does: in progress until the
+// job ended. So the parent is polled whatever the call returned (`called`), and `child` (the
+// pointer's value) read only once that is settled; pending at `deadline`, with no communicator (the
+// job still owns the pointer). Done without a communicator is a failure.
+Made<NcclComm> awaitChild(NcclApi& api, const std::string& call, NcclComm parent, ApiResult called,
+                          const std::function<NcclComm()>& child, const Deadline& deadline);
+
 }  // namespace fsdp::worker::detail
