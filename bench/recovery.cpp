@@ -506,9 +506,9 @@ void recovery(const Args& args) {
     if (!byMode.contains("auto") || !byMode.contains("process")) continue;
     const auto& autoEach = byMode.at("auto");
     const auto& processEach = byMode.at("process");
+    const std::string what = "median recovery_overhead_s over the reps, process / auto (";
     nlohmann::json line = {{"bench", "recovery"},
-                           {"compare", "median recovery_overhead_s over the reps, process / auto (" +
-                                           key.substr(key.find('/') + 1) + ")"},
+                           {"compare", what + key.substr(key.find('/') + 1) + ")"},
                            {"model", key.substr(0, key.find('/'))},
                            {"seed", seed},
                            {"reps", std::min(autoEach.size(), processEach.size())},

@@ -417,7 +417,8 @@ TEST(NcclShrink, AChildIsReadOnlyAfterTheParentSaysItsJobEndedWhateverTheCallRet
   const auto child = [&] { return fake->asyncPollsLeft(parent) == 0 ? written : nullptr; };
   for (const auto& called : {fd::ApiResult::done(), fd::ApiResult::pending()}) {
     fake->setAsyncPendingPolls(parent, 3);
-    const auto made = fd::awaitChild(*fake, "ncclCommShrink", parent, called, child, fsdp::Deadline::after(kShrinkBound));
+    const auto made =
+        fd::awaitChild(*fake, "ncclCommShrink", parent, called, child, fsdp::Deadline::after(kShrinkBound));
     EXPECT_TRUE(made.result.isDone()) << made.result.cause;
     EXPECT_EQ(made.handle, written);
     EXPECT_EQ(fake->asyncPollsLeft(parent), 0);
@@ -425,21 +426,26 @@ TEST(NcclShrink, AChildIsReadOnlyAfterTheParentSaysItsJobEndedWhateverTheCallRet
   // A job still running at the deadline: pending, and the pointer not read (the job owns it).
   fake->setAsyncPendingPolls(parent, -1);
   bool read = false;
-  const auto unread = fd::awaitChild(*fake, "ncclCommShrink", parent, fd::ApiResult::done(),
-                                     [&] { read = true; return written; }, fsdp::Deadline::after(50ms));
+  const auto reading = [&] {
+    read = true;
+    return written;
+  };
+  const auto unread =
+      fd::awaitChild(*fake, "ncclCommShrink", parent, fd::ApiResult::done(), reading, fsdp::Deadline::after(50ms));
   EXPECT_TRUE(unread.result.isPending());
   EXPECT_EQ(unread.handle, nullptr);
   EXPECT_FALSE(read);
   // A job that ended with no communicator is a failure naming the call; a call that failed
   // started no job: nothing is polled.
   fake->setAsyncPendingPolls(parent, 0);
-  const auto none = fd::awaitChild(*fake, "ncclCommShrink", parent, fd::ApiResult::done(), [] { return fd::NcclComm{}; },
-                                   fsdp::Deadline::after(kShrinkBound));
+  const auto nothing = [] { return fd::NcclComm{}; };
+  const auto bound = fsdp::Deadline::after(kShrinkBound);
+  const auto none = fd::awaitChild(*fake, "ncclCommShrink", parent, fd::ApiResult::done(), nothing, bound);
   EXPECT_TRUE(none.result.isFailed());
   EXPECT_NE(none.result.cause.find("ncclCommShrink"), std::string::npos) << none.result.cause;
   fake->setAsyncPendingPolls(parent, 2);
-  const auto refused = fd::awaitChild(*fake, "ncclCommShrink", parent, fd::ApiResult::failed("invalid argument"), child,
-                                      fsdp::Deadline::after(kShrinkBound));
+  const auto refused = fd::awaitChild(*fake, "ncclCommShrink", parent, fd::ApiResult::failed("invalid argument"),
+                                      child, fsdp::Deadline::after(kShrinkBound));
   EXPECT_TRUE(refused.result.isFailed());
   EXPECT_EQ(refused.result.cause, "invalid argument");
   EXPECT_EQ(fake->asyncPollsLeft(parent), 2);

@@ -207,11 +207,11 @@ class CudaNcclApi final : public NcclApi {
     // returned (a split's or shrink's child is null until then, unlike an init's): it must outlive
     // the job. Where the job outlives the wait it is left to it (one pointer, never freed).
     auto* slot = new ncclComm_t(nullptr);
-    const auto called = nccl(shrinkCalls().shrink(asComm(parent), list.data(), static_cast<int>(list.size()), slot,
-                                                  &config, NCCL_SHRINK_ABORT),
+    const auto called = nccl(shrinkCalls().shrink(asComm(parent), list.data(), static_cast<int>(list.size()),
+                                                  slot, &config, NCCL_SHRINK_ABORT),
                              asComm(parent));
-    auto made = awaitChild(*this, "ncclCommShrink", parent, called,
-                           [slot] { return static_cast<NcclComm>(__atomic_load_n(slot, __ATOMIC_ACQUIRE)); }, deadline);
+    const auto child = [slot] { return static_cast<NcclComm>(__atomic_load_n(slot, __ATOMIC_ACQUIRE)); };
+    auto made = awaitChild(*this, "ncclCommShrink", parent, called, child, deadline);
     if (!made.result.isPending()) delete slot;
     return made;
   }

@@ -285,7 +285,9 @@ Made<NcclComm> awaitChild(NcclApi& api, const std::string& call, NcclComm parent
   const auto result = settle(api, parent, api.commAsyncError(parent), deadline);
   if (result.isPending()) return {result, nullptr};
   const NcclComm made = child();
-  if (result.isDone() && made == nullptr) return {ApiResult::failed(call + ": its job ended without a communicator"), nullptr};
+  if (result.isDone() && made == nullptr) {
+    return {ApiResult::failed(call + ": its job ended without a communicator"), nullptr};
+  }
   return {result, made};
 }
 
