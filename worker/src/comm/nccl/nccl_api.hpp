@@ -113,7 +113,7 @@ class NcclApi {
   // parent, which ends the job). Failed with a communicator: abort it. The wait is awaitChild's
   // (nccl_queue.hpp): NCCL 2.28.9's call returns ncclSuccess with its job still running, and on an
   // H200 (scripts/gpu-reform, 2026-11-30) reading the child then, and freeing the pointer its job
-  // later wrote through, corrupted the survivors' heap in 3 of 3 planned shrinks.
+  // later wrote through, corrupted the survivors' heap in both runs that planned a shrink.
   virtual Made<NcclComm> commShrink(NcclComm parent, const std::vector<int>& exclude, const Deadline& deadline) = 0;
   virtual ApiResult allReduce(const void* send, void* recv, std::size_t count, at::ScalarType type,
                               ReduceOp op, NcclComm comm, CudaStream stream) = 0;
