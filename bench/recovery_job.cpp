@@ -455,6 +455,8 @@ void killFigures(const Observed& seen, nlohmann::json& line) {
   if (r.contains("process_age_s")) line["restored_at_process_age_s"] = r["process_age_s"];
   line["kill_to_restored_s"] = r.value("unix_time", 0.0) - killTime;
   if (r.contains("path")) line["recovery_path"] = r["path"];  // rank 0's: in_process or process
+  // In process: how long rank 0 went on after the agent's notice (to its next collective).
+  if (r.contains("notice_to_reform_ms")) line["notice_to_reform_ms"] = r["notice_to_reform_ms"];
   // The durations of the first steps after the resume (ms): a replacement's first steps fault
   // its memory in and make its next snapshots' buffers, which the overhead does not count.
   nlohmann::json after = nlohmann::json::array();

@@ -98,6 +98,7 @@ TEST(FsdpBench, RecoveryResumesAKilledWorkerFromItsInMemorySnapshot) {
     EXPECT_EQ(line.value("survivors", -1), 1) << line;
     EXPECT_EQ(line.value("survivors_kept_pid", -1), mode == "auto" ? 1 : 0) << line;
     EXPECT_EQ(line.value("recovery_path", ""), mode == "auto" ? "in_process" : "process") << line;
+    EXPECT_EQ(line.contains("notice_to_reform_ms"), mode == "auto") << line;
   }
   // A ratio, or none where auto's overhead was not above zero (within one step's noise), saying so.
   for (const auto& compare : {lines[2], lines[3]}) {

@@ -209,6 +209,8 @@ TEST_F(Reform, ARankKilledMidStepEndsBitIdenticalInBothModesAndTheSurvivorsKeepT
     }
     if (mode == "auto") {
       EXPECT_EQ(resume.value("path", ""), "in_process") << resume.dump();
+      // How long rank 0 went on after the agent's notice: known, and not negative.
+      EXPECT_GE(resume.value("notice_to_reform_ms", -1.0), 0.0) << resume.dump();
       ASSERT_EQ(after.size(), 3u);
       EXPECT_EQ(after.at(0), before.at(0)) << "rank 0 kept its process";
       EXPECT_EQ(after.at(2), before.at(2)) << "rank 2 kept its process";

@@ -93,6 +93,12 @@ std::string ReformControl::abortReason() const {
   return abortReason_;
 }
 
+std::optional<std::chrono::steady_clock::time_point> ReformControl::abortTime() const {
+  std::scoped_lock lock(mutex_);
+  if (!aborted_) return std::nullopt;
+  return abortedAt_;
+}
+
 std::optional<std::map<std::string, std::string>> ReformControl::awaitReform(std::chrono::milliseconds bound,
                                                                            std::string& why) {
   std::unique_lock lock(mutex_);
@@ -149,6 +155,7 @@ void ReformControl::readLoop() {
         std::scoped_lock lock(mutex_);
         aborted_ = true;
         abortReason_ = why;
+        abortedAt_ = std::chrono::steady_clock::now();
         hooks = hooks_;
       }
       changed_.notify_all();

@@ -50,6 +50,8 @@ class ReformControl {
   bool awaitAbort(std::chrono::milliseconds bound);
   // Why the round ended ("" before a notice).
   std::string abortReason() const;
+  // When the notice came (steady clock); nullopt before one.
+  std::optional<std::chrono::steady_clock::time_point> abortTime() const;
   // Throws CommAborted naming `what` when the agent's notice came and this process has not begun
   // to re-form: a wait of the program's (on the runtime's store: a hand-written loop's, rank 0's
   // for a checkpoint's files) ends there instead of holding the re-formation for its timeout.
@@ -84,6 +86,7 @@ class ReformControl {
   bool announced_ = false;  // what the agent was told last
   bool aborted_ = false;
   std::string abortReason_;
+  std::chrono::steady_clock::time_point abortedAt_{};
   std::optional<std::map<std::string, std::string>> reform_;
   bool closed_ = false;
   int nextHook_ = 1;

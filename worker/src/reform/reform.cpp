@@ -4,6 +4,7 @@
 
 #include <ATen/Context.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 
@@ -180,6 +181,9 @@ ReformInfo reform(Runtime& runtime, FullyShardedDataParallel& model) {
   control.setReforming(true);
   ReformInfo info;
   info.why = control.abortReason();
+  if (const auto noticed = control.abortTime()) {
+    info.noticeMs = std::max(0.0, std::chrono::duration<double, std::milli>(start - *noticed).count());
+  }
   auto& state = detail::RuntimeReform::state(model);
   // Whatever the interrupted step left goes before its communicators do.
   state.abandonAfterAbort();

@@ -237,6 +237,7 @@ FitResult Trainer::fitRound(const Dataset& train, const Dataset* eval, const Ref
               {"path", reformed != nullptr ? "in_process" : "process"}};
     if (reformed != nullptr) {
       line["reform_ms"] = reformed->ms;
+      line["notice_to_reform_ms"] = reformed->noticeMs;
       line["round"] = reformed->round;
       if (reformed->resharded) line["resharded_from_world"] = reformed->previousWorldSize;
     }

@@ -104,6 +104,10 @@ struct ReformInfo {
   int previousRank = 0;
   int previousWorldSize = 0;
   bool resharded = false;
+  // From the agent's notice reaching this process to this call: the work it finished before it
+  // saw the round end (a collective on a dead peer wakes at once; a computation runs to its next
+  // collective).
+  double noticeMs = 0;
 };
 
 // The new round: waits for it (the agent sends it once every node has joined), takes its
