@@ -20,6 +20,7 @@
 #include <random>
 #include <set>
 #include <sstream>
+#include <utility>
 
 #include "bench.hpp"
 #include "fsdp/common/error.hpp"
@@ -292,8 +293,8 @@ void recovery(const Args& args) {
   const nlohmann::json base = {{"bench", "recovery"}, {"seed", seed}, {"steps", c.steps}};
   // Per model, every rep's overhead: their median is the figure (one pair of runs is noisy).
   std::map<std::string, std::vector<double>> overheads;
-  // Per model, case and restart mode, every rep's recovery overhead (the summary's medians).
-  std::map<std::string, std::map<std::string, std::vector<double>>> recoveryOverheads;
+  // Per (model, case) and restart mode, every rep's recovery overhead (the summary's medians).
+  std::map<std::pair<std::string, std::string>, std::map<std::string, std::vector<double>>> recoveryOverheads;
 
   for (int rep = 0; rep < reps; ++rep) {
     for (const auto& model : models) {
@@ -363,7 +364,7 @@ void recovery(const Args& args) {
         if (std::string(k.name) == "worker" && !oursWorker) oursWorker = line;
         if (line.contains("recovery_overhead_s")) {
           overheadByMode[mode] = line["recovery_overhead_s"].get<double>();
-          recoveryOverheads[model + "/" + k.name][mode].push_back(overheadByMode[mode]);
+          recoveryOverheads[{model, k.name}][mode].push_back(overheadByMode[mode]);
         }
         }
         if (overheadByMode.contains("auto") && overheadByMode.contains("process")) {
@@ -502,14 +503,14 @@ void recovery(const Args& args) {
           {"overhead_pct_each", each}});
   }
   // Per case, over the reps: the medians' ratio is the figure the goal is read against.
-  for (const auto& [key, byMode] : recoveryOverheads) {
+  for (const auto& [modelAndCase, byMode] : recoveryOverheads) {
     if (!byMode.contains("auto") || !byMode.contains("process")) continue;
+    const auto& [model, killCase] = modelAndCase;
     const auto& autoEach = byMode.at("auto");
     const auto& processEach = byMode.at("process");
-    const std::string what = "median recovery_overhead_s over the reps, process / auto (";
     nlohmann::json line = {{"bench", "recovery"},
-                           {"compare", what + key.substr(key.find('/') + 1) + ")"},
-                           {"model", key.substr(0, key.find('/'))},
+                           {"compare", "median recovery_overhead_s over the reps, process / auto (" + killCase + ")"},
+                           {"model", model},
                            {"seed", seed},
                            {"reps", std::min(autoEach.size(), processEach.size())},
                            {"overhead_s_auto_each", autoEach},

@@ -4,7 +4,6 @@
 #include "fsdp/common/error.hpp"
 #include "fsdp/worker/nccl_communicator.hpp"
 #include "nccl_api.hpp"
-#include "nccl_queue.hpp"
 
 #if FSDP_HAVE_NCCL
 
@@ -15,6 +14,7 @@
 #include <cstring>
 
 #include "fsdp/common/env.hpp"
+#include "nccl_queue.hpp"
 
 // Debian's CPU LibTorch ships c10/cuda headers without the generated macros header; only a
 // CUDA LibTorch has it, so that header tells the two apart.
