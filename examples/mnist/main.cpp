@@ -7,9 +7,12 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <chrono>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <memory>
+#include <thread>
 #include <nlohmann/json.hpp>
 #include <torch/optim/adam.h>
 #include <torch/utils.h>
@@ -127,8 +130,27 @@ int run(const Flags& flags) {
                          .snapshotEvery = flags.snapshotEvery});
   // Test-only fault: the chosen rank SIGKILLs itself after a step (or hangs there: stops itself,
   // spins, blocks in a read), on the first attempt only.
-  if (flags.faultKillAtStep > 0 && rt->rank() == flags.faultKillRank &&
-      (rt->env().restartCount == 0 || flags.faultEveryAttempt)) {
+  if (flags.faultKind == "backward" && flags.faultKillAtStep > 0 && rt->env().restartCount == 0) {
+    // In the backward of the step after --fault_kill_at_step (first attempt only), the chosen
+    // rank SIGKILLs itself and every other rank holds there for 3 s: the agent's notice reaches
+    // them inside their backward, between two of its gradients.
+    auto done = std::make_shared<std::int64_t>(0);
+    trainer.afterStep = [done](std::int64_t step) { *done = step; };
+    trainer.forward = [&flags, &rt, done](fsdp::FullyShardedDataParallel& m,
+                                          const fsdp::Batch& batch) {
+      auto out = m->forward(batch.input);
+      if (*done == flags.faultKillAtStep && rt->env().restartCount == 0 && out.requires_grad()) {
+        const bool dies = rt->rank() == flags.faultKillRank;
+        out.register_hook([dies](const at::Tensor& grad) {
+          if (dies) ::kill(::getpid(), SIGKILL);
+          std::this_thread::sleep_for(std::chrono::seconds(3));
+          return grad;
+        });
+      }
+      return out;
+    };
+  } else if (flags.faultKillAtStep > 0 && rt->rank() == flags.faultKillRank &&
+             (rt->env().restartCount == 0 || flags.faultEveryAttempt)) {
     trainer.afterStep = [&flags](std::int64_t step) {
       if (step != flags.faultKillAtStep) return;
       if (!flags.faultMarker.empty()) std::ofstream(flags.faultMarker) << step << "\n";
@@ -222,8 +244,9 @@ int main(int argc, char** argv) {
                  "Testing only: --fault_kill_rank SIGKILLs itself after this step, first attempt only")
       ->group("");
   app.add_option("--fault_kill_rank", flags.faultKillRank, "Testing only")->group("");
-  app.add_option("--fault_kind", flags.faultKind, "Testing only: kill, stop, loop or read")
-      ->check(CLI::IsMember({"kill", "stop", "loop", "read"}))
+  app.add_option("--fault_kind", flags.faultKind,
+                 "Testing only: kill, stop, loop, read or backward")
+      ->check(CLI::IsMember({"kill", "stop", "loop", "read", "backward"}))
       ->group("");
   app.add_flag("--fault_every_attempt", flags.faultEveryAttempt, "Testing only: the fault on every attempt")
       ->group("");

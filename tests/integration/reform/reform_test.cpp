@@ -293,6 +293,33 @@ TEST_F(Reform, ASecondKillDuringTheReformationFallsBackToProcessRestartsAndTheJo
       << r.err;
 }
 
+// Survivors inside their backward when the notice comes (they hold there while rank 1 kills
+// itself in its own): each ends it at its next gradient, not at the collective after its last,
+// and the gradients that backward left behind do not reach the redone step (the end is the
+// uninterrupted run's).
+TEST_F(Reform, SurvivorsInTheirBackwardEndItAtTheirNextGradientAndTheEndIsUnchanged) {
+  const JobFiles f("backward");
+  auto proc = start(job("auto", f.runId, f.metrics,
+                        {"--fault_kill_at_step", "8", "--fault_kill_rank", "1", "--fault_kind",
+                         "backward"}),
+                    f.tag, f.dir);
+  const auto r = finish(proc, f.dir);
+  ASSERT_EQ(r.exitCode, 0) << r.err;
+  EXPECT_EQ(summaryOf(r.out).value("params_sha256", ""), reference_) << r.out;
+  EXPECT_EQ(summaryOf(r.out).value("steps", 0), kSteps);
+  const auto resume = resumeLine(f.metrics);
+  ASSERT_TRUE(resume.has_value()) << r.err;
+  EXPECT_EQ(resume->value("path", ""), "in_process") << resume->dump();
+  EXPECT_EQ(resume->value("step", -1), 8) << resume->dump();
+  for (const int rank : {0, 2}) {
+    EXPECT_NE(r.err.find("rank " + std::to_string(rank) +
+                         ": the step in progress is dropped, the world re-forms in process "
+                         "(backward: the communicator was aborted"),
+              std::string::npos)
+        << r.err;
+  }
+}
+
 // A survivor stopped (SIGSTOP) while the others re-form: the round waits for it until the hang
 // timeout, and the report names it, not the ranks waiting for it (whose earlier rounds' records
 // once hid where it was); its error file is written though it has no folder of this attempt.

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <future>
 
+#include "fsdp/common/error.hpp"
 #include "fsdp/common/log.hpp"
 #include "fsdp/worker/flight_recorder.hpp"
 
@@ -158,6 +159,11 @@ void FsdpState::preBackward(int u) {
 }
 
 void FsdpState::onGradient(int u, int f, int s) {
+  // The round ended (the runtime's communicator was aborted: a failure elsewhere): the rest of
+  // this backward would be dropped; it ends here instead of at its next collective.
+  if (comm_.aborted()) {
+    throw CommAborted("backward: the communicator was aborted; the rest of this step is dropped");
+  }
   auto& unit = units_[static_cast<std::size_t>(u)];
   auto& flat = unit.flats[static_cast<std::size_t>(f)];
   auto& slot = flat.slots[static_cast<std::size_t>(s)];

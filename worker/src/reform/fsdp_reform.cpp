@@ -20,6 +20,9 @@ void FsdpState::abandonAfterAbort() {
       flat.gatherSource = at::Tensor();
       flat.fullGrad = at::Tensor();
       std::fill(flat.written.begin(), flat.written.end(), 0);
+      // A backward ended early (a gradient hook saw the abort) leaves gradients that no hook
+      // took: the next backward would add to them.
+      for (auto& slot : flat.slots) slot.param.mutable_grad() = at::Tensor();
       flat.full.free();
     }
     unit.state = UnitState::kSharded;

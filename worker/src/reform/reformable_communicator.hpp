@@ -4,6 +4,7 @@
 // keeps it across an in-process re-formation, when the runtime puts the new round's
 // communicator under it. Private to libfsdp.
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 
@@ -34,8 +35,10 @@ class ReformableCommunicator final : public Communicator {
   // From any thread (the control channel's): aborts the communicator of this round.
   bool abort(const std::string& why) override {
     std::scoped_lock lock(mutex_);
+    aborted_ = true;
     return inner_->abort(why);
   }
+  bool aborted() const override { return aborted_; }
   // From the training thread, with no operation of it in flight: the old communicator goes (its
   // threads joined), then `next` serves.
   void replace(std::unique_ptr<Communicator> next) {
@@ -47,6 +50,7 @@ class ReformableCommunicator final : public Communicator {
     old.reset();
     std::scoped_lock lock(mutex_);
     inner_ = std::move(next);
+    aborted_ = false;
   }
   // What the round's NCCL communicator keeps after its abort for the next round's shrink
   // (nccl_bootstrap.hpp); nullptr for any other. From the training thread, before release().
@@ -92,6 +96,7 @@ class ReformableCommunicator final : public Communicator {
 
   std::mutex mutex_;  // abort() against replace()/release(); operations run on the training thread
   std::unique_ptr<Communicator> inner_;
+  std::atomic<bool> aborted_{false};  // abort() called; cleared by replace()
 };
 
 }  // namespace fsdp::worker::detail

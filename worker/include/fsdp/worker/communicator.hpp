@@ -97,6 +97,10 @@ class Communicator {
     (void)why;
     return false;
   }
+  // Whether abort() was called on this communicator (the runtime's comm() and cpuComm(): until
+  // the next round's communicator replaces the aborted one). Cheap, from any thread: a long
+  // computation between two collectives may ask it and end early (FSDP's gradient hooks do).
+  virtual bool aborted() const { return false; }
 };
 
 }  // namespace fsdp::worker

@@ -33,15 +33,17 @@
 // collectives a new process issues there (reform() replays FSDP's constructor's; the program
 // repeats what it does after it: the Snapshotter's agreement (rejoin()), the restore). Its own
 // state is not copied when it lies in the snapshot restored (its memory is that snapshot's). A
-// new process's weights before the restore are its own (syncModuleStates is not broadcast in a
-// round with survivors): do not read them. Training resumes from the
-// restored step on every rank: the survivor's loop must take the step, the data position and
-// the RNG from what restore() returned, as a new process does; and its rank and world from the
-// runtime again (rt->rank(), rt->worldSize(): a data sampler built on them is built again).
-// A wait of the loop's own on rt->store() (get, wait, addAndWait, waitForChange) throws
-// CommAborted within 0.2 s of the agent's notice, as a blocked collective does, until reform()
-// begins; rt->store() is the same object before and after (a reference to it stays good, also
-// when the rendezvous moved to another node).
+// new process's sharded weights before the restore are unset (in a round with survivors its
+// constructor neither broadcasts rank 0's nor lays out its own: the restore writes them all):
+// do not read them. Training resumes from the restored step on every rank: the survivor's loop
+// must take the step, the data position and the RNG from what restore() returned, as a new
+// process does; and its rank and world from the runtime again (rt->rank(), rt->worldSize(): a
+// data sampler built on them is built again). A backward under way when the notice comes
+// throws CommAborted at its next gradient (FSDP's hook), as its collectives would later. A wait
+// of the loop's own on rt->store() (get, wait, addAndWait, waitForChange) throws CommAborted
+// within 0.2 s of the agent's notice, as a blocked collective does, until reform() begins;
+// rt->store() is the same object before and after (a reference to it stays good, also when the
+// rendezvous moved to another node).
 //
 // What still restarts processes (the agent says why in one line): the failed process itself; a
 // worker outside a ReformScope (a PyTorch script, a program that does not use this) or already
