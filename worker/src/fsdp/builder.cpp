@@ -342,16 +342,17 @@ void FsdpBuilder::buildFlat(UnitRecord& unit, FlatParam& flat) {
   } else {
     flat.full = FullBuffer(flat.paddedNumel, state_.computeDtype_, device);
     flat.full.allocate();  // views are made over allocated memory (set_ checks the size)
-    // Flattened straight into the full buffer when it has the parameters' dtype: the block,
-    // written here, goes back to the block cache and the first gather reuses it instead of
-    // touching fresh memory (on a VM whose host backs guest pages lazily, ~2 ms per MB).
     if (joinsSurvivors_) {
       // A new process of a round with survivors: the restore writes every shard (or the round
       // ends), so the model's own values are not laid out; the shard's memory is not even
       // touched where the restore maps it (DeepNet: 376 + 188 MB not copied, 50-100 ms of the
-      // survivors' wait on a 2-core host).
+      // survivors' wait on a 2-core host). The block is touched first by the first gather
+      // (a --standby spare faulted it in while it waited).
       flat.shard = at::empty({flat.shardNumel}, pieces.front().options());
     } else {
+      // Flattened straight into the full buffer when it has the parameters' dtype: the block,
+      // written here, goes back to the block cache and the first gather reuses it instead of
+      // touching fresh memory (on a VM whose host backs guest pages lazily, ~2 ms per MB).
       at::Tensor full = flat.full.flat();
       const at::Tensor values = state_.computeDtype_ == dtype && !state_.offload_
                                     ? at::cat_out(full, pieces)
