@@ -119,12 +119,7 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
     metrics_->recovered("process", static_cast<int>(specs.size() - (standing ? std::min(keptNow, specs.size()) : 0)));
   }
   if (standing) {
-    // The survivors are the round's workers: no spares needed for it. They go without holding
-    // up this loop or the new round's first step (their teardown at the lowest priority).
-    if (standby_) {
-      standby_->retire();
-      retired_.push_back(std::move(standby_));
-    }
+    standby_.reset();  // the survivors are the round's workers: no spares needed for it
   } else if (standby_) {
     noteSpareExits();
     std::string why;
@@ -200,7 +195,6 @@ std::optional<AgentResult> Agent::runRound(const Assignment& a) {
     }
 
     noteSpareExits();
-    std::erase_if(retired_, [](const auto& spares) { return spares->reapedAll(); });
     for (const auto& exit : group.reap()) {
       if (exit.status != 0) ++failedWorkers;
       if (keep.erase(exit.localRank) > 0) {

@@ -118,9 +118,6 @@ class Agent {
   // --standby: the workers of the next restart, waiting in fsdp::init() (after guardian_, so
   // that they are stopped before it goes).
   std::unique_ptr<detail::WorkerGroup> standby_;
-  // Standby groups whose spares a round did not use, killed at the lowest priority and reaped as
-  // they go (the round's training does not wait for their teardown).
-  std::vector<std::unique_ptr<detail::WorkerGroup>> retired_;
   // Logs, at warning level, each spare that exited while it waited (how, and its last words): a
   // restart then starts a new process instead, without it, and nothing else would say why.
   void noteSpareExits();

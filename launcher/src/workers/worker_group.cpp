@@ -1,9 +1,7 @@
 #include "worker_group.hpp"
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
-#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -12,7 +10,6 @@
 #include <algorithm>
 #include <array>
 #include <cerrno>
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -30,18 +27,6 @@ constexpr std::size_t kTailLines = 20;
 constexpr std::size_t kTailLineBytes = 2000;
 
 }  // namespace
-
-// A 3 GB teardown at nice 0 took ~0.17 s from two compute-bound threads on two cores; at nice 19,
-// ~0.03 s (the teardown then ended ~0.2 s later).
-void tearDownAtLowestPriority(pid_t pid) {
-  DIR* tasks = ::opendir(("/proc/" + std::to_string(pid) + "/task").c_str());
-  if (tasks == nullptr) return;
-  while (const dirent* e = ::readdir(tasks)) {
-    const int tid = std::atoi(e->d_name);
-    if (tid > 0) ::setpriority(PRIO_PROCESS, static_cast<id_t>(tid), 19);  // a thread gone: nothing to do
-  }
-  ::closedir(tasks);
-}
 
 // Writes all of `data` to fd (console or file); a console that went away is not an error.
 void writeAll(int fd, const char* data, std::size_t n) {
@@ -358,8 +343,6 @@ void WorkerGroup::takeLifelineNews(std::vector<WorkerExit>& exits) {
         continue;
       }
       w.exitTold = true;
-      // No user code runs any more; a teardown no one waits for goes at the lowest priority.
-      if (!w.deviceMemory) tearDownAtLowestPriority(pid);
       // Nothing the worker started outlives it (the group exists until its leader is reaped).
       ::kill(-pid, SIGKILL);
       drainStreams(w);
@@ -547,27 +530,6 @@ std::vector<std::string> WorkerGroup::exitedSpares() {
     lines.push_back(std::move(line));
   }
   return lines;
-}
-
-void WorkerGroup::retire() {
-  for (auto& w : workers_) {
-    if (!w.process || w.reported || w.process->reaped()) continue;
-    tearDownAtLowestPriority(w.process->pid());
-    w.process->signal(SIGKILL);
-  }
-}
-
-bool WorkerGroup::reapedAll() {
-  bool all = true;
-  for (auto& w : workers_) {
-    if (w.process && !w.reported && !w.process->tryWait()) all = false;
-  }
-  std::erase_if(dying_, [this](ChildProcess& p) {
-    if (!p.tryWait()) return false;
-    guardian_.forget(p.pid());
-    return true;
-  });
-  return all && dying_.empty();
 }
 
 }  // namespace fsdp::launcher::detail

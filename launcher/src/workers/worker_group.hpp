@@ -133,12 +133,6 @@ class WorkerGroup {
   // stderr line>". What they wrote goes where a worker's output goes; their error files are
   // removed, so that a process started in their place later does not inherit them.
   std::vector<std::string> exitedSpares();
-  // The group's processes are no longer needed (a standby group whose spares the round does not
-  // use): each is killed at the lowest priority (nice 19) and left to reapedAll(), without
-  // waiting; the kernel's teardown of their memory then takes the CPU time the training leaves.
-  void retire();
-  // Reaps without blocking what retire() killed; true once every process of the group is reaped.
-  bool reapedAll();
 
  private:
   struct Stream {
@@ -199,10 +193,6 @@ class WorkerGroup {
 
 // Writes all of `data` to fd (console or file); a console that went away is not an error.
 void writeAll(int fd, const char* data, std::size_t n);
-// Lowers every thread of `pid` to nice 19, for a process that is exiting or about to be killed
-// and that no one waits for: the kernel tears its memory down in its own last thread, at that
-// thread's priority, which then takes only the CPU time the training's processes leave.
-void tearDownAtLowestPriority(pid_t pid);
 // The environment entries a standby must have been started with to become a worker.
 extern const std::vector<const char*> kStandbyIdentity;
 
