@@ -13,6 +13,7 @@
 #include <fstream>
 #include <list>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <utility>
 
@@ -590,13 +591,21 @@ std::optional<TrainingProgress> Snapshotter::restore(FullyShardedDataParallel& m
       // time the ranks' first step leaves, not a core's time taken from its forward (2 cores, 2
       // ranks: the replacement's first batch came 80-100 ms late, its forward 50-140 ms slower);
       // step() waits for this job, and then the core is its own. Never starved for good, as
-      // the idle class could be on a busy machine.
-      std::thread low([&] {
-        ::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), 19);
+      // the idle class could be on a busy machine. A job throws nothing (JobThread): where no
+      // thread can be made, the pages are made here, at this thread's priority.
+      const auto populateAll = [&] {
         if (mappedState) Impl::populate(*mappedState, MADV_POPULATE_READ);
         if (back) Impl::populate(*back);
-      });
-      low.join();
+      };
+      try {
+        std::thread low([&] {
+          ::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), 19);
+          populateAll();
+        });
+        low.join();
+      } catch (const std::system_error&) {
+        populateAll();
+      }
     });
   }
   d.restoredFrom = std::move(restored->source);
