@@ -199,14 +199,20 @@ struct Snapshotter::Impl {
     return nullptr;
   }
 
-  // Maps a buffer's pages (`advice`: MADV_POPULATE_WRITE, writable; _READ, readable): a few
-  // calls cost less than a fault per page. In 64 MB pieces: each call holds the address space's
-  // lock, which other threads' allocations wait for.
-  static void populate(const Buffer& b, int advice = MADV_POPULATE_WRITE) {
-    constexpr std::uint64_t kChunk = 64ULL << 20;
-    for (std::uint64_t at = 0; at < b.bytes; at += kChunk) {
-      ::madvise(b.map + at, std::min(kChunk, b.bytes - at), advice);
-    }
+  // Maps a buffer's pages by reading a byte of each: a read fault on a memfd's existing pages maps
+  // up to 16 of them (fault-around), writable on a shared mapping (shmem asks no notice of a
+  // first write), so the writes that follow fault no more. 564 MB here: ~9k faults, 0.046 s,
+  // where MADV_POPULATE_WRITE faults each page (0.105 s). MADV_POPULATE_READ costs the same
+  // alone, but marks every page used under the LRU lock the other ranks' faults take: in a
+  // replacement's first step (perf) it took twice the CPU time of this. No read falls past the
+  // end: every piece is sealed against shrinking (the keeper takes no other), and a buffer of
+  // this process is its own size.
+  static void populate(const Buffer& b) {
+    constexpr std::uint64_t kPage = 4096;
+    const volatile char* p = b.map;
+    char sink = 0;
+    for (std::uint64_t at = 0; at < b.bytes; at += kPage) sink = static_cast<char>(sink ^ p[at]);
+    static_cast<void>(sink);
   }
 
   // A replacement's restored piece, mapped copy-on-write, once no tensor lies in it (its first
@@ -594,7 +600,7 @@ std::optional<TrainingProgress> Snapshotter::restore(FullyShardedDataParallel& m
       // the idle class could be on a busy machine. A job throws nothing (JobThread): where no
       // thread can be made, the pages are made here, at this thread's priority.
       const auto populateAll = [&] {
-        if (mappedState) Impl::populate(*mappedState, MADV_POPULATE_READ);
+        if (mappedState) Impl::populate(*mappedState);
         if (back) Impl::populate(*back);
       };
       try {
