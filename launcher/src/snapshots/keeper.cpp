@@ -24,12 +24,14 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "fsdp/common/error.hpp"
 #include "fsdp/common/log.hpp"
 #include "fsdp/common/sha256.hpp"
 #include "fsdp/common/snapshot_wire.hpp"
+#include "unheld_memory.hpp"
 
 namespace fsdp::launcher {
 
@@ -49,6 +51,7 @@ struct Piece {
   int round = 0;
   std::uint64_t bytes = 0;
   bool peer = false;
+  pid_t owner = 0;  // the worker process that put it (0: a peer copy)
   // Copied by each remote get for as long as it sends the piece: while copies live, its memory
   // must not be written again (neither handed back nor named free to its rank).
   std::shared_ptr<const bool> sending = std::make_shared<const bool>(true);
@@ -97,6 +100,7 @@ struct SnapshotKeeper::Impl {
   mutable std::mutex mutex;  // guards everything below
   std::list<Piece> pieces;
   std::uint64_t held = 0;
+  detail::UnheldMemory unheld;  // what the table let go of this node's pieces
   int newestRound = 0;
   int refused = 0;
   std::map<int, KeeperStats::Newest> newest;  // local pieces only
@@ -117,6 +121,7 @@ struct SnapshotKeeper::Impl {
     if (beingSent(*it)) {
       leaving.splice(leaving.end(), pieces, it);
     } else {
+      if (!it->peer) unheld.keep(std::move(it->fd), {it->rank, it->world, it->step, it->bytes, it->owner});
       pieces.erase(it);
     }
   }
@@ -142,6 +147,7 @@ struct SnapshotKeeper::Impl {
       if (otherWorld || superseded || abandoned) drop(it);
       it = next;
     }
+    unheld.keepOnly(p.world);
     const int keep = p.peer ? kKeepPeer : kKeepLocal;
     for (;;) {
       int count = 0;
@@ -223,6 +229,9 @@ struct SnapshotKeeper::Impl {
       try {
         Piece p = inspect(std::move(passed), false, request);
         rank = p.rank;
+        ucred cred{};
+        socklen_t length = sizeof(cred);
+        if (::getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &length) == 0) p.owner = cred.pid;
         const std::string error = admit(std::move(p));
         if (!error.empty()) return json{{"ok", false}, {"error", error}}.dump();
       } catch (const std::exception& e) {
@@ -277,6 +286,24 @@ struct SnapshotKeeper::Impl {
       const std::int64_t rank = integer("rank");
       const std::int64_t world = integer("world");
       std::scoped_lock lock(mutex);
+      // First the buffer its dead predecessor wrote last, which holds no snapshot: the table's
+      // pieces all stay for a fallback.
+      auto [memory, was] = unheld.take(static_cast<int>(rank), static_cast<int>(world), [this](dev_t dev, ino_t ino) {
+        for (const auto* list : {&pieces, &leaving}) {
+          for (const auto& p : *list) {
+            struct stat st {};
+            if (::fstat(p.fd.get(), &st) == 0 && st.st_dev == dev && st.st_ino == ino) return true;
+          }
+        }
+        return false;
+      });
+      if (memory) {
+        Piece what;
+        std::tie(what.rank, what.world, what.step, what.bytes) = std::tie(was.rank, was.world, was.step, was.bytes);
+        log::debug("snapshot keeper: the {} goes back to its rank for reuse (its writer has exited)", describe(what));
+        snapshot::sendMessage(sock, json{{"ok", true}, {"step", was.step}, {"unheld", true}}.dump(), memory.get());
+        return "";
+      }
       auto oldest = pieces.end();
       std::int64_t newestStep = -1;
       int count = 0;
@@ -554,7 +581,7 @@ std::string SnapshotKeeper::peerEndpoint() const {
 
 KeeperStats SnapshotKeeper::stats() const {
   std::scoped_lock lock(impl_->mutex);
-  return {impl_->held, static_cast<int>(impl_->pieces.size()), impl_->refused, impl_->newest};
+  return {impl_->held, static_cast<int>(impl_->pieces.size()), impl_->refused, impl_->newest, impl_->unheld.bytes()};
 }
 
 }  // namespace fsdp::launcher

@@ -5,6 +5,7 @@
 #include <netinet/in.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -155,6 +156,58 @@ TEST(SnapshotKeeper, ARankThatRestoredTakesBackOnlyItsOwnPieceThatItsNextPutWoul
   EXPECT_FALSE(c.ask({{"op", "recycle"}, {"rank", 0}, {"world", 3}, {"before", 6}})["ok"].get<bool>());
   EXPECT_FALSE(c.ask({{"op", "recycle"}, {"rank", "0"}})["ok"].get<bool>());
   EXPECT_EQ(c.list().size(), 6u);
+}
+
+// The buffer a worker wrote last (its piece the table dropped, no snapshot) outlives the worker
+// in the keeper and goes back first to its replacement, the table's pieces all staying for a
+// fallback; never while the worker lives. A new world size lets every such buffer go.
+TEST(SnapshotKeeper, TheMemoryADeadWorkerLeftGoesToItsReplacementFirstNeverWhileItLives) {
+  SnapshotKeeper keeper(options());
+  Client c(keeper);
+  int ready[2], go[2];  // child -> parent, parent -> child
+  ASSERT_EQ(::pipe(ready), 0);
+  ASSERT_EQ(::pipe(go), 0);
+  const pid_t worker = ::fork();
+  ASSERT_GE(worker, 0);
+  if (worker == 0) {  // rank 1's worker: steps 4 to 7 (step 4's piece is dropped), then it waits
+    Client own(keeper);
+    for (int step = 4; step <= 7; ++step) {
+      if (!own.put(makePiece(1, 2, step)).value("ok", false)) ::_exit(3);
+    }
+    char byte = 0;
+    if (::write(ready[1], &byte, 1) != 1 || ::read(go[0], &byte, 1) != 1) ::_exit(4);
+    ::_exit(0);
+  }
+  char byte = 0;
+  ASSERT_EQ(::read(ready[0], &byte, 1), 1);
+  EXPECT_GT(keeper.stats().bytesUnheld, 0u);
+  const json recycle{{"op", "recycle"}, {"rank", 1}, {"world", 2}, {"before", 99}};
+  // The worker lives: the table's oldest piece comes back, as before; the buffer stays its own.
+  Fd piece;
+  json answer = c.ask(recycle, -1, &piece);
+  ASSERT_TRUE(answer.value("ok", false)) << answer;
+  EXPECT_EQ(answer.value("step", 0), 5);
+  ASSERT_EQ(::write(go[1], &byte, 1), 1);
+  int status = 0;
+  ASSERT_EQ(::waitpid(worker, &status, 0), worker);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  // It has exited: its last buffer (the memory of step 4's piece) comes back, the table unchanged.
+  answer = c.ask(recycle, -1, &piece);
+  ASSERT_TRUE(answer.value("ok", false)) << answer;
+  EXPECT_EQ(answer.value("step", 0), 4);
+  EXPECT_TRUE(answer.value("unheld", false));
+  ASSERT_TRUE(piece);
+  EXPECT_EQ(json::parse(fsdp::snapshot::readPieceHeader(piece.get(), "piece"))["step"], 4);
+  using T = std::tuple<int, int, std::int64_t, bool>;
+  EXPECT_EQ(c.list(), (std::vector<T>{{1, 2, 6, false}, {1, 2, 7, false}}));
+  EXPECT_EQ(keeper.stats().bytesUnheld, 0u);
+  EXPECT_EQ(c.ask(recycle, -1, &piece).value("ok", true), false) << "two of three pieces left: none to spare";
+  // This process's rank 0 leaves a buffer too; a piece of a new world size lets it go.
+  for (int step = 4; step <= 7; ++step) ASSERT_TRUE(c.put(makePiece(0, 2, step))["ok"].get<bool>());
+  EXPECT_GT(keeper.stats().bytesUnheld, 0u);
+  ASSERT_TRUE(c.put(makePiece(0, 1, 9))["ok"].get<bool>());
+  EXPECT_EQ(keeper.stats().bytesUnheld, 0u);
+  for (const int fd : {ready[0], ready[1], go[0], go[1]}) ::close(fd);
 }
 
 TEST(SnapshotKeeper, AnUnsealedPieceOrGarbageIsRefusedAndTheKeeperServesOn) {

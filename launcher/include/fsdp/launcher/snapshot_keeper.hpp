@@ -63,6 +63,9 @@ struct KeeperStats {
     std::chrono::system_clock::time_point at;
   };
   std::map<int, Newest> newest;
+  // Memory of this node's workers that no held piece lies in, kept for their replacements
+  // (keeper.cpp, unheld_memory.hpp): not counted in bytesHeld.
+  std::uint64_t bytesUnheld = 0;
 };
 
 class SnapshotKeeper {
