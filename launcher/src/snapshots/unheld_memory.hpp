@@ -8,18 +8,17 @@
 // --snapshot_memory_limit: while its worker lives, the memory is the worker's anyway.
 // Guarded by the keeper's mutex.
 
+#include <signal.h>
 #include <sys/stat.h>
 #include <sys/types.h>
 
+#include <cerrno>
 #include <cstdint>
-#include <filesystem>
-#include <fstream>
 #include <list>
-#include <sstream>
 #include <string>
-#include <system_error>
 #include <utility>
 
+#include "fsdp/common/lifeline.hpp"
 #include "fsdp/common/snapshot_wire.hpp"
 
 namespace fsdp::launcher::detail {
@@ -69,32 +68,12 @@ class UnheldMemory {
 
   std::uint64_t bytes() const { return bytes_; }
 
-  // Whether process `pid` runs no code of its own again: gone, or every thread of it a zombie or
-  // past the start of its exit (PF_EXITING: a killed worker's memory is torn down for 0.1-0.3 s
-  // after that, while its replacement restores). A thread that has not begun to exit (a main
-  // thread that ended alone, say) keeps it alive.
+  // Whether process `pid` writes nothing again: gone, or past the point of no return of its exit
+  // (exitingStatus: PF_EXITING, as the lifeline reads a worker's death; a killed worker's memory
+  // is torn down for 0.1-0.3 s after that, while its replacement restores). One being killed
+  // but not yet there counts as alive.
   static bool exited(pid_t pid) {
-    constexpr unsigned long kExiting = 0x4;  // PF_EXITING
-    const std::string tasks = "/proc/" + std::to_string(pid) + "/task";
-    std::error_code error;
-    try {
-      for (const auto& task : std::filesystem::directory_iterator(tasks, error)) {
-        std::ifstream stat(task.path() / "stat");
-        std::string text;
-        if (!std::getline(stat, text)) continue;  // that thread is gone
-        const auto close = text.rfind(')');
-        if (close == std::string::npos) return false;
-        std::istringstream fields(text.substr(close + 1));
-        std::string state, skip;
-        unsigned long flags = 0;
-        fields >> state >> skip >> skip >> skip >> skip >> skip >> flags;
-        if (!fields) return false;
-        if (state != "Z" && state != "X" && (flags & kExiting) == 0) return false;
-      }
-    } catch (const std::filesystem::filesystem_error&) {
-      return false;  // not known: alive
-    }
-    return true;  // every thread exiting, or no such process (the directory did not open)
+    return exitingStatus(pid).has_value() || (::kill(pid, 0) != 0 && errno == ESRCH);
   }
 
  private:
